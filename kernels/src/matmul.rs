@@ -1,0 +1,480 @@
+//! `out[t, r] = Σ_i x[t, i] · W[r, i]` for a block of tokens `x` (`[n, k]`, f32) and one or more
+//! weight matrices `W` (`[rows, k]`, bf16/f16/f32) that share the input.
+//!
+//! Passing several matrices at once (q/k/v, gate/up) makes one parallel region instead of three,
+//! which matters at batch 1 where a region lasts microseconds. Tasks are blocks of output rows;
+//! inside a task, tokens are taken 6 at a time against 4 weight rows (24 accumulators, each weight
+//! vector loaded once for 6 tokens), and single tokens against 8 rows (8 independent FMA chains to
+//! cover the latency). Each output is the same lane-wise accumulation in every tile shape, so the
+//! result does not depend on `n` (see the crate docs on batch invariance).
+
+use crate::{Isa, ThreadPool};
+
+#[derive(Clone, Copy, Debug)]
+pub enum Weights<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+    F16(&'a [u16]),
+}
+
+/// A row-major `[rows, cols]` weight matrix.
+#[derive(Clone, Copy, Debug)]
+pub struct Matrix<'a> {
+    pub w: Weights<'a>,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl<'a> Matrix<'a> {
+    pub fn new(w: Weights<'a>, rows: usize, cols: usize) -> Matrix<'a> {
+        let len = match w {
+            Weights::F32(s) => s.len(),
+            Weights::Bf16(s) | Weights::F16(s) => s.len(),
+        };
+        assert_eq!(len, rows * cols, "matrix data does not match its shape");
+        Matrix { w, rows, cols }
+    }
+
+    /// Row `r` widened to f32 (embedding lookup).
+    pub fn row_f32(&self, r: usize, out: &mut [f32]) {
+        let (a, b) = (r * self.cols, (r + 1) * self.cols);
+        match self.w {
+            Weights::F32(s) => out.copy_from_slice(&s[a..b]),
+            Weights::Bf16(s) => out.iter_mut().zip(&s[a..b]).for_each(|(o, &v)| *o = f32::from_bits((v as u32) << 16)),
+            Weights::F16(s) => out.iter_mut().zip(&s[a..b]).for_each(|(o, &v)| *o = half::f16::from_bits(v).to_f32()),
+        }
+    }
+
+    fn kind(&self) -> (u8, *const u8) {
+        match self.w {
+            Weights::F32(s) => (KIND_F32, s.as_ptr().cast()),
+            Weights::Bf16(s) => (KIND_BF16, s.as_ptr().cast()),
+            Weights::F16(s) => (KIND_F16, s.as_ptr().cast()),
+        }
+    }
+}
+
+const KIND_F32: u8 = 0;
+const KIND_BF16: u8 = 1;
+const KIND_F16: u8 = 2;
+
+/// Raw output pointer shared by tasks that write disjoint elements.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: tasks write pairwise-disjoint (token, row) elements; `run` joins before returning.
+unsafe impl Send for OutPtr {}
+// SAFETY: as above.
+unsafe impl Sync for OutPtr {}
+
+/// Multiplies `x` (`[n, k]`) by every matrix in `mats`, writing `[n, rows]` into each output.
+pub fn matmul(pool: &ThreadPool, x: &[f32], n: usize, mats: &mut [(Matrix<'_>, &mut [f32])]) {
+    matmul_with(Isa::detect(), pool, x, n, mats)
+}
+
+/// [`matmul`] on a chosen instruction set (tests compare them all).
+pub fn matmul_with(isa: Isa, pool: &ThreadPool, x: &[f32], n: usize, mats: &mut [(Matrix<'_>, &mut [f32])]) {
+    if n == 0 || mats.is_empty() {
+        return;
+    }
+    let k = mats[0].0.cols;
+    assert_eq!(x.len(), n * k, "input is not [n, k]");
+    for (m, out) in mats.iter() {
+        assert_eq!(m.cols, k, "matrices in one call must share the input width");
+        assert_eq!(out.len(), n * m.rows, "output is not [n, rows]");
+    }
+    let total_rows: usize = mats.iter().map(|(m, _)| m.rows).sum();
+    // Enough tasks to balance the threads, big enough to amortize claiming one; a multiple of 8.
+    let target = (total_rows / (pool.threads() * 6)).max(8);
+    let block = if n > 1 { target.clamp(16, 64) } else { target.clamp(8, 64) } / 8 * 8;
+    let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
+    for (mi, (m, _)) in mats.iter().enumerate() {
+        let mut r = 0;
+        while r < m.rows {
+            let e = (r + block).min(m.rows);
+            tasks.push((mi, r, e));
+            r = e;
+        }
+    }
+    let views: Vec<(Matrix<'_>, OutPtr)> = mats.iter_mut().map(|(m, o)| (*m, OutPtr(o.as_mut_ptr()))).collect();
+    let job = |ti: usize| {
+        let (mi, r0, r1) = tasks[ti];
+        let (m, out) = views[mi];
+        // SAFETY: shapes were checked above; this task writes only rows r0..r1 of `out`.
+        unsafe { rows_kernel(isa, x, n, k, &m, r0, r1, out.0, m.rows) };
+    };
+    pool.run(tasks.len(), &job);
+}
+
+/// Computes output rows `r0..r1` for all `n` tokens.
+///
+/// # Safety
+/// `out` must be valid for `n * ldo` f32 writes and `x` hold `n * k` values; `m` is `[rows, k]`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn rows_kernel(isa: Isa, x: &[f32], n: usize, k: usize, m: &Matrix<'_>, r0: usize, r1: usize, out: *mut f32, ldo: usize) {
+    #[cfg(target_arch = "x86_64")]
+    match isa {
+        // SAFETY: Isa::Avx512/Avx2 are only produced after feature detection.
+        Isa::Avx512 => return unsafe { avx512::rows(x.as_ptr(), n, k, m, r0, r1, out, ldo) },
+        Isa::Avx2 => return unsafe { avx2::rows(x.as_ptr(), n, k, m, r0, r1, out, ldo) },
+        Isa::Scalar => {}
+    }
+    let _ = isa;
+    for t in 0..n {
+        let xr = &x[t * k..(t + 1) * k];
+        for r in r0..r1 {
+            let mut acc = 0f32;
+            match m.w {
+                Weights::F32(s) => xr.iter().zip(&s[r * k..(r + 1) * k]).for_each(|(a, b)| acc += a * b),
+                Weights::Bf16(s) => xr
+                    .iter()
+                    .zip(&s[r * k..(r + 1) * k])
+                    .for_each(|(a, &b)| acc += a * f32::from_bits((b as u32) << 16)),
+                Weights::F16(s) => xr
+                    .iter()
+                    .zip(&s[r * k..(r + 1) * k])
+                    .for_each(|(a, &b)| acc += a * half::f16::from_bits(b).to_f32()),
+            }
+            // SAFETY: t < n and r < ldo by the caller's contract.
+            unsafe { *out.add(t * ldo + r) = acc };
+        }
+    }
+}
+
+/// Generates the row-range driver for one SIMD width: token tiles of `T` against row tiles of `R`,
+/// single tokens against 8 rows, remainders against 1 row.
+macro_rules! rows_driver {
+    ($feat:literal) => {
+        #[target_feature(enable = $feat)]
+        #[allow(clippy::too_many_arguments)]
+        pub(super) unsafe fn rows(x: *const f32, n: usize, k: usize, m: &Matrix<'_>, r0: usize, r1: usize, out: *mut f32, ldo: usize) {
+            let (kind, w) = m.kind();
+            // SAFETY (whole body): every tile stays inside rows r0..r1 and tokens 0..n, which the
+            // caller guarantees are in bounds of `x`, the matrix and `out`.
+            unsafe {
+                match kind {
+                    KIND_F32 => rows_k::<KIND_F32>(x, n, k, w, r0, r1, out, ldo),
+                    KIND_BF16 => rows_k::<KIND_BF16>(x, n, k, w, r0, r1, out, ldo),
+                    _ => rows_k::<KIND_F16>(x, n, k, w, r0, r1, out, ldo),
+                }
+            }
+        }
+
+        #[target_feature(enable = $feat)]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn rows_k<const K: u8>(x: *const f32, n: usize, k: usize, w: *const u8, r0: usize, r1: usize, out: *mut f32, ldo: usize) {
+            // SAFETY (whole body): see `rows`.
+            unsafe {
+                let mut t = 0;
+                while t + TT <= n {
+                    let mut r = r0;
+                    while r + TR <= r1 {
+                        tile::<K, TR, TT>(x.add(t * k), k, w, r, out.add(t * ldo), ldo);
+                        r += TR;
+                    }
+                    while r < r1 {
+                        tile::<K, 1, TT>(x.add(t * k), k, w, r, out.add(t * ldo), ldo);
+                        r += 1;
+                    }
+                    t += TT;
+                }
+                let rest = n - t;
+                if rest > 1 {
+                    let mut r = r0;
+                    while r + TR <= r1 {
+                        small_tile::<K, TR>(rest, x.add(t * k), k, w, r, out.add(t * ldo), ldo);
+                        r += TR;
+                    }
+                    while r < r1 {
+                        small_tile::<K, 1>(rest, x.add(t * k), k, w, r, out.add(t * ldo), ldo);
+                        r += 1;
+                    }
+                } else if rest == 1 {
+                    let mut r = r0;
+                    while r + 8 <= r1 {
+                        tile::<K, 8, 1>(x.add(t * k), k, w, r, out.add(t * ldo), ldo);
+                        r += 8;
+                    }
+                    while r < r1 {
+                        tile::<K, 1, 1>(x.add(t * k), k, w, r, out.add(t * ldo), ldo);
+                        r += 1;
+                    }
+                }
+            }
+        }
+
+        /// Fewer than `TT` tokens: dispatch to a tile of exactly that many.
+        #[target_feature(enable = $feat)]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn small_tile<const K: u8, const R: usize>(nt: usize, x: *const f32, k: usize, w: *const u8, r: usize, out: *mut f32, ldo: usize) {
+            // SAFETY: forwards the caller's bounds.
+            unsafe {
+                match nt {
+                    2 => tile::<K, R, 2>(x, k, w, r, out, ldo),
+                    3 => tile::<K, R, 3>(x, k, w, r, out, ldo),
+                    4 => tile::<K, R, 4>(x, k, w, r, out, ldo),
+                    5 => tile::<K, R, 5>(x, k, w, r, out, ldo),
+                    _ => unreachable!("small_tile takes 2..TT tokens"),
+                }
+            }
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    const TT: usize = 6;
+    const TR: usize = 4;
+    const LANES: usize = 16;
+
+    rows_driver!("avx512f,avx512bw,avx512vl");
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn widen<const K: u8>(v: __m256i) -> __m512 {
+        if K == KIND_BF16 {
+            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16))
+        } else {
+            _mm512_cvtph_ps(v)
+        }
+    }
+
+    /// 16 weights at element index `i`, widened to f32.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn load_w<const K: u8>(w: *const u8, i: usize) -> __m512 {
+        // SAFETY: the caller guarantees 16 elements at `i` are in bounds.
+        unsafe {
+            if K == KIND_F32 {
+                _mm512_loadu_ps(w.cast::<f32>().add(i))
+            } else {
+                widen::<K>(_mm256_loadu_si256(w.cast::<u16>().add(i).cast()))
+            }
+        }
+    }
+
+    /// The first `popcount(mask)` weights at `i`, zeros beyond (masked loads never fault).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn load_w_tail<const K: u8>(w: *const u8, i: usize, mask: __mmask16) -> __m512 {
+        // SAFETY: masked-off lanes are not accessed.
+        unsafe {
+            if K == KIND_F32 {
+                _mm512_maskz_loadu_ps(mask, w.cast::<f32>().add(i))
+            } else {
+                widen::<K>(_mm256_maskz_loadu_epi16(mask, w.cast::<u16>().add(i).cast()))
+            }
+        }
+    }
+
+    /// R weight rows starting at row `r` × T tokens.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn tile<const K: u8, const R: usize, const T: usize>(x: *const f32, k: usize, w: *const u8, r: usize, out: *mut f32, ldo: usize) {
+        // SAFETY: rows r..r+R of `w` and tokens 0..T of `x`/`out` are in bounds (caller).
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); T]; R];
+            let full = k / LANES * LANES;
+            let mut i = 0;
+            while i < full {
+                let mut xv = [_mm512_setzero_ps(); T];
+                for t in 0..T {
+                    xv[t] = _mm512_loadu_ps(x.add(t * k + i));
+                }
+                for ri in 0..R {
+                    let wv = load_w::<K>(w, (r + ri) * k + i);
+                    for t in 0..T {
+                        acc[ri][t] = _mm512_fmadd_ps(wv, xv[t], acc[ri][t]);
+                    }
+                }
+                i += LANES;
+            }
+            if full < k {
+                let mask: __mmask16 = ((1u32 << (k - full)) - 1) as u16;
+                let mut xv = [_mm512_setzero_ps(); T];
+                for t in 0..T {
+                    xv[t] = _mm512_maskz_loadu_ps(mask, x.add(t * k + i));
+                }
+                for ri in 0..R {
+                    let wv = load_w_tail::<K>(w, (r + ri) * k + i, mask);
+                    for t in 0..T {
+                        acc[ri][t] = _mm512_fmadd_ps(wv, xv[t], acc[ri][t]);
+                    }
+                }
+            }
+            for ri in 0..R {
+                for t in 0..T {
+                    *out.add(t * ldo + r + ri) = _mm512_reduce_add_ps(acc[ri][t]);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    const TT: usize = 3;
+    const TR: usize = 4;
+    const LANES: usize = 8;
+
+    rows_driver!("avx2,fma,f16c");
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load_w<const K: u8>(w: *const u8, i: usize) -> __m256 {
+        // SAFETY: the caller guarantees 8 elements at `i` are in bounds.
+        unsafe {
+            if K == KIND_F32 {
+                _mm256_loadu_ps(w.cast::<f32>().add(i))
+            } else {
+                let v = _mm_loadu_si128(w.cast::<u16>().add(i).cast());
+                if K == KIND_BF16 {
+                    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16))
+                } else {
+                    _mm256_cvtph_ps(v)
+                }
+            }
+        }
+    }
+
+    /// A fixed-order horizontal sum of 8 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        _mm_cvtss_f32(s)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile<const K: u8, const R: usize, const T: usize>(x: *const f32, k: usize, w: *const u8, r: usize, out: *mut f32, ldo: usize) {
+        // SAFETY: rows r..r+R of `w` and tokens 0..T of `x`/`out` are in bounds (caller).
+        unsafe {
+            let mut acc = [[_mm256_setzero_ps(); T]; R];
+            let full = k / LANES * LANES;
+            let mut i = 0;
+            while i < full {
+                let mut xv = [_mm256_setzero_ps(); T];
+                for t in 0..T {
+                    xv[t] = _mm256_loadu_ps(x.add(t * k + i));
+                }
+                for ri in 0..R {
+                    let wv = load_w::<K>(w, (r + ri) * k + i);
+                    for t in 0..T {
+                        acc[ri][t] = _mm256_fmadd_ps(wv, xv[t], acc[ri][t]);
+                    }
+                }
+                i += LANES;
+            }
+            if full < k {
+                // Tail: copy the last few values into zero-padded stack vectors.
+                let rem = k - full;
+                let esz = if K == KIND_F32 { 4 } else { 2 };
+                let mut xv = [_mm256_setzero_ps(); T];
+                for t in 0..T {
+                    let mut buf = [0f32; LANES];
+                    std::ptr::copy_nonoverlapping(x.add(t * k + i), buf.as_mut_ptr(), rem);
+                    xv[t] = _mm256_loadu_ps(buf.as_ptr());
+                }
+                for ri in 0..R {
+                    let mut buf = [0u8; LANES * 4];
+                    std::ptr::copy_nonoverlapping(w.add(((r + ri) * k + i) * esz), buf.as_mut_ptr(), rem * esz);
+                    let wv = load_w::<K>(buf.as_ptr(), 0);
+                    for t in 0..T {
+                        acc[ri][t] = _mm256_fmadd_ps(wv, xv[t], acc[ri][t]);
+                    }
+                }
+            }
+            for ri in 0..R {
+                for t in 0..T {
+                    *out.add(t * ldo + r + ri) = hsum(acc[ri][t]);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::{bf16, f16};
+
+    struct Rng(u64);
+    impl Rng {
+        fn f(&mut self) -> f32 {
+            self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        }
+    }
+
+    #[test]
+    fn matches_f64_reference_on_awkward_sizes() {
+        let pool = ThreadPool::new(3);
+        let mut rng = Rng(7);
+        for &(n, rows, k) in &[(1, 1, 1), (1, 13, 17), (5, 7, 33), (7, 29, 15), (13, 67, 577), (1, 130, 64), (6, 8, 16), (2, 9, 31)] {
+            let x: Vec<f32> = (0..n * k).map(|_| rng.f()).collect();
+            let wf: Vec<f32> = (0..rows * k).map(|_| rng.f()).collect();
+            let wb: Vec<u16> = wf.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+            let wh: Vec<u16> = wf.iter().map(|&v| f16::from_f32(v).to_bits()).collect();
+            let variants: [(Weights, Box<dyn Fn(usize) -> f64>); 3] = [
+                (Weights::F32(&wf), Box::new(|i| wf[i] as f64)),
+                (Weights::Bf16(&wb), Box::new(|i| bf16::from_bits(wb[i]).to_f64())),
+                (Weights::F16(&wh), Box::new(|i| f16::from_bits(wh[i]).to_f64())),
+            ];
+            for (w, wval) in &variants {
+                for isa in Isa::available() {
+                    let m = Matrix::new(*w, rows, k);
+                    let mut out = vec![0f32; n * rows];
+                    let mut out2 = vec![0f32; n * rows];
+                    matmul_with(isa, &pool, &x, n, &mut [(m, &mut out), (m, &mut out2)]);
+                    assert_eq!(out, out2);
+                    for t in 0..n {
+                        for r in 0..rows {
+                            let (mut want, mut mag) = (0f64, 0f64);
+                            for i in 0..k {
+                                let p = x[t * k + i] as f64 * wval(r * k + i);
+                                want += p;
+                                mag += p.abs();
+                            }
+                            let got = out[t * rows + r] as f64;
+                            assert!((got - want).abs() <= 1e-5 * mag + 1e-12, "{isa:?} n{n} r{rows} k{k}: {got} vs {want}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn batch_invariant() {
+        let pool = ThreadPool::new(2);
+        let mut rng = Rng(11);
+        let (rows, k) = (37, 100);
+        let w: Vec<u16> = (0..rows * k).map(|_| bf16::from_f32(rng.f()).to_bits()).collect();
+        let m = Matrix::new(Weights::Bf16(&w), rows, k);
+        let n = 13;
+        let x: Vec<f32> = (0..n * k).map(|_| rng.f()).collect();
+        for isa in Isa::available() {
+            let mut all = vec![0f32; n * rows];
+            matmul_with(isa, &pool, &x, n, &mut [(m, &mut all)]);
+            for t in 0..n {
+                let mut one = vec![0f32; rows];
+                matmul_with(isa, &pool, &x[t * k..(t + 1) * k], 1, &mut [(m, &mut one)]);
+                assert_eq!(&all[t * rows..(t + 1) * rows], &one[..], "{isa:?} token {t}");
+            }
+            // Any split of the tokens gives the same bits.
+            let mut parts = vec![0f32; n * rows];
+            for (a, b) in [(0, 4), (4, 9), (9, 13)] {
+                matmul_with(isa, &pool, &x[a * k..b * k], b - a, &mut [(m, &mut parts[a * rows..b * rows])]);
+            }
+            assert_eq!(all, parts);
+        }
+    }
+}

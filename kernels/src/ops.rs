@@ -1,0 +1,289 @@
+//! Elementwise, normalization and attention kernels on f32 rows.
+//!
+//! Reductions use 16 independent lane accumulators combined in a fixed order: LLVM vectorizes that
+//! shape without needing to reassociate, and the result is the same for a row whatever batch it
+//! came in.
+
+use crate::ThreadPool;
+
+const L: usize = 16;
+
+#[inline]
+fn combine(acc: [f32; L]) -> f32 {
+    // Fixed pairwise tree.
+    let mut a = acc;
+    let mut w = L / 2;
+    while w > 0 {
+        for i in 0..w {
+            a[i] += a[i + w];
+        }
+        w /= 2;
+    }
+    a[0]
+}
+
+/// Dot product with lane accumulators (deterministic order).
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    let mut acc = [0f32; L];
+    let (ca, cb) = (a.chunks_exact(L), b.chunks_exact(L));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..L {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    for (l, (x, y)) in ra.iter().zip(rb).enumerate() {
+        acc[l] += x * y;
+    }
+    combine(acc)
+}
+
+/// `out = x / sqrt(mean(x²) + eps) * weight`, row by row (`x` is `[n, d]`).
+pub fn rmsnorm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let d = weight.len();
+    assert_eq!(x.len(), out.len());
+    assert_eq!(x.len() % d, 0);
+    for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        let ss = dot(xr, xr);
+        let scale = 1.0 / (ss / d as f32 + eps).sqrt();
+        for ((o, &v), &w) in or.iter_mut().zip(xr).zip(weight) {
+            *o = v * scale * w;
+        }
+    }
+}
+
+/// `a += b`.
+pub fn add_inplace(a: &mut [f32], b: &[f32]) {
+    assert_eq!(a.len(), b.len());
+    a.iter_mut().zip(b).for_each(|(x, y)| *x += y);
+}
+
+/// `out = silu(gate) * up`, with `silu(g) = g / (1 + e^-g)`.
+pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    assert!(gate.len() == up.len() && up.len() == out.len());
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        *o = g / (1.0 + (-g).exp()) * u;
+    }
+}
+
+/// In-place softmax of one row.
+pub fn softmax(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0f32;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    x.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// Rotary-embedding angles for one position: `cos`/`sin` of `pos · inv_freq[i]`, computed in f64.
+pub fn rope_angles(pos: usize, inv_freq: &[f64], cos: &mut [f32], sin: &mut [f32]) {
+    for ((c, s), &f) in cos.iter_mut().zip(sin.iter_mut()).zip(inv_freq) {
+        let a = pos as f64 * f;
+        *c = a.cos() as f32;
+        *s = a.sin() as f32;
+    }
+}
+
+/// Hugging Face "rotate half" RoPE on `x` (`[heads, head_dim]`) with one position's angles
+/// (`head_dim / 2` each): the pair `(x[i], x[i + half])` is rotated by angle `i`.
+pub fn rope(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) {
+    let half = head_dim / 2;
+    assert_eq!(cos.len(), half);
+    for h in x.chunks_exact_mut(head_dim) {
+        let (a, b) = h.split_at_mut(half);
+        for i in 0..half {
+            let (x1, x2) = (a[i], b[i]);
+            a[i] = x1 * cos[i] - x2 * sin[i];
+            b[i] = x2 * cos[i] + x1 * sin[i];
+        }
+    }
+}
+
+/// Shapes for [`attention`].
+#[derive(Clone, Copy, Debug)]
+pub struct AttnShape {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// Causal grouped-query attention of `n` new query tokens against a contiguous KV history.
+///
+/// `q`: `[n, n_heads * head_dim]`; `k`, `v`: `[len, n_kv_heads * head_dim]` holding every position
+/// up to and including the new tokens, so query `i` sits at position `len - n + i` and sees keys
+/// `0..=len - n + i`. Query head `h` reads KV head `h / (n_heads / n_kv_heads)`. The computation is
+/// flash-style (one pass, running max and sum) and per (token, head) independent of `n`.
+pub fn attention(pool: &ThreadPool, q: &[f32], k: &[f32], v: &[f32], n: usize, len: usize, s: AttnShape, out: &mut [f32]) {
+    let (hd, nh, nkv) = (s.head_dim, s.n_heads, s.n_kv_heads);
+    assert!(nh % nkv == 0 && n <= len);
+    assert_eq!(q.len(), n * nh * hd);
+    assert_eq!(out.len(), n * nh * hd);
+    assert!(k.len() >= len * nkv * hd && v.len() >= len * nkv * hd);
+    let group = nh / nkv;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let out_ptr = SyncPtr(out.as_mut_ptr());
+    let job = |task: usize| {
+        let (t, h) = (task / nh, task % nh);
+        let kvh = h / group;
+        let qr = &q[(t * nh + h) * hd..(t * nh + h + 1) * hd];
+        let visible = len - n + t + 1;
+        // SAFETY: each task writes the disjoint row (t, h) of `out`, whose bounds were asserted.
+        let o = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add((t * nh + h) * hd), hd) };
+        attend_one(qr, k, v, visible, nkv * hd, kvh * hd, scale, o);
+    };
+    pool.run(n * nh, &job);
+}
+
+/// One query row against `visible` keys: online softmax, values accumulated in f32.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_one(q: &[f32], k: &[f32], v: &[f32], visible: usize, stride: usize, off: usize, scale: f32, out: &mut [f32]) {
+    let hd = q.len();
+    let mut m = f32::NEG_INFINITY;
+    let mut sum = 0f32;
+    out.iter_mut().for_each(|o| *o = 0.0);
+    for j in 0..visible {
+        let kr = &k[j * stride + off..j * stride + off + hd];
+        let sc = dot(q, kr) * scale;
+        let vr = &v[j * stride + off..j * stride + off + hd];
+        if sc > m {
+            let c = (m - sc).exp();
+            sum = sum * c + 1.0;
+            for (o, &x) in out.iter_mut().zip(vr) {
+                *o = *o * c + x;
+            }
+            m = sc;
+        } else {
+            let p = (sc - m).exp();
+            sum += p;
+            for (o, &x) in out.iter_mut().zip(vr) {
+                *o += p * x;
+            }
+        }
+    }
+    let inv = 1.0 / sum;
+    out.iter_mut().for_each(|o| *o *= inv);
+}
+
+#[derive(Clone, Copy)]
+struct SyncPtr(*mut f32);
+impl SyncPtr {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+// SAFETY: used only for disjoint writes inside one `ThreadPool::run`, which joins before returning.
+unsafe impl Send for SyncPtr {}
+// SAFETY: as above.
+unsafe impl Sync for SyncPtr {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rng(seed: u64) -> impl FnMut() -> f32 {
+        let mut s = seed;
+        move || {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        }
+    }
+
+    fn close(a: f32, b: f64, tol: f64) -> bool {
+        (a as f64 - b).abs() <= tol * (1.0 + b.abs())
+    }
+
+    #[test]
+    fn dot_rmsnorm_silu_softmax() {
+        let mut r = rng(3);
+        for d in [1, 15, 16, 17, 100, 577] {
+            let x: Vec<f32> = (0..3 * d).map(|_| r()).collect();
+            let w: Vec<f32> = (0..d).map(|_| r()).collect();
+            let want_dot: f64 = x[..d].iter().zip(&w).map(|(&a, &b)| a as f64 * b as f64).sum();
+            assert!(close(dot(&x[..d], &w), want_dot, 1e-5));
+            let mut out = vec![0f32; 3 * d];
+            rmsnorm(&x, &w, 1e-5, &mut out);
+            for row in 0..3 {
+                let xr = &x[row * d..(row + 1) * d];
+                let ms: f64 = xr.iter().map(|&a| (a as f64).powi(2)).sum::<f64>() / d as f64;
+                for i in 0..d {
+                    let want = xr[i] as f64 / (ms + 1e-5).sqrt() * w[i] as f64;
+                    assert!(close(out[row * d + i], want, 1e-5));
+                }
+            }
+            let mut s = vec![0f32; d];
+            silu_mul(&x[..d], &w, &mut s);
+            for i in 0..d {
+                let g = x[i] as f64;
+                assert!(close(s[i], g / (1.0 + (-g).exp()) * w[i] as f64, 1e-6));
+            }
+            let mut sm: Vec<f32> = x[..d].iter().map(|v| v * 30.0).collect();
+            softmax(&mut sm);
+            let mx = x[..d].iter().map(|&v| v as f64 * 30.0).fold(f64::MIN, f64::max);
+            let z: f64 = x[..d].iter().map(|&v| (v as f64 * 30.0 - mx).exp()).sum();
+            for i in 0..d {
+                assert!(close(sm[i], (x[i] as f64 * 30.0 - mx).exp() / z, 1e-5));
+            }
+        }
+    }
+
+    #[test]
+    fn rope_rotates_half() {
+        let mut r = rng(5);
+        let (heads, hd) = (3, 10);
+        let inv: Vec<f64> = (0..hd / 2).map(|i| 1.0 / 10000f64.powf(2.0 * i as f64 / hd as f64)).collect();
+        let (mut c, mut s) = (vec![0f32; hd / 2], vec![0f32; hd / 2]);
+        rope_angles(7, &inv, &mut c, &mut s);
+        let x: Vec<f32> = (0..heads * hd).map(|_| r()).collect();
+        let mut y = x.clone();
+        rope(&mut y, hd, &c, &s);
+        for h in 0..heads {
+            for i in 0..hd {
+                let a = 7.0 * inv[i % (hd / 2)];
+                let rot = if i < hd / 2 { -(x[h * hd + i + hd / 2] as f64) } else { x[h * hd + i - hd / 2] as f64 };
+                let want = x[h * hd + i] as f64 * a.cos() + rot * a.sin();
+                assert!(close(y[h * hd + i], want, 1e-6));
+            }
+        }
+    }
+
+    #[test]
+    fn gqa_attention_matches_reference() {
+        let pool = ThreadPool::new(2);
+        let mut r = rng(9);
+        for &(n, len, nh, nkv, hd) in &[(1, 1, 1, 1, 4), (3, 7, 6, 2, 5), (5, 5, 9, 3, 17), (1, 33, 4, 4, 64)] {
+            let s = AttnShape { n_heads: nh, n_kv_heads: nkv, head_dim: hd };
+            let q: Vec<f32> = (0..n * nh * hd).map(|_| r() * 3.0).collect();
+            let k: Vec<f32> = (0..len * nkv * hd).map(|_| r() * 3.0).collect();
+            let v: Vec<f32> = (0..len * nkv * hd).map(|_| r()).collect();
+            let mut out = vec![0f32; n * nh * hd];
+            attention(&pool, &q, &k, &v, n, len, s, &mut out);
+            for t in 0..n {
+                for h in 0..nh {
+                    let kvh = h / (nh / nkv);
+                    let vis = len - n + t + 1;
+                    let sc: Vec<f64> = (0..vis)
+                        .map(|j| {
+                            (0..hd).map(|d| q[(t * nh + h) * hd + d] as f64 * k[(j * nkv + kvh) * hd + d] as f64).sum::<f64>()
+                                / (hd as f64).sqrt()
+                        })
+                        .collect();
+                    let mx = sc.iter().cloned().fold(f64::MIN, f64::max);
+                    let z: f64 = sc.iter().map(|s| (s - mx).exp()).sum();
+                    for d in 0..hd {
+                        let want: f64 = (0..vis).map(|j| (sc[j] - mx).exp() / z * v[(j * nkv + kvh) * hd + d] as f64).sum();
+                        assert!(close(out[(t * nh + h) * hd + d], want, 1e-5), "n{n} len{len} t{t} h{h}");
+                    }
+                }
+            }
+            // The last query row alone gives the same bits as within the block.
+            let mut one = vec![0f32; nh * hd];
+            attention(&pool, &q[(n - 1) * nh * hd..], &k, &v, 1, len, s, &mut one);
+            assert_eq!(&one[..], &out[(n - 1) * nh * hd..]);
+        }
+    }
+}

