@@ -1,1 +1,51 @@
-fn main(){}
+//! # bench-coldstart: measurements as ratios against a floor measured in the same run
+//!
+//! `decode`: batch-1 decode tokens/s and prefill tokens/s of the CPU backend on a model, beside
+//! the memory roofline (weight bytes read per token over the read bandwidth this run measures).
+//! Later issues add `load`, `synth`, `serve` and `coldstart`.
+
+use std::time::Instant;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+mod decode;
+mod membw;
+
+#[derive(Parser)]
+#[command(name = "bench-coldstart", about = "Cold-start, load and decode benchmarks for thaw")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Batch-1 decode and prefill speed against the memory roofline.
+    Decode(decode::DecodeArgs),
+}
+
+fn main() {
+    let t = Instant::now();
+    let r = match Cli::parse().cmd {
+        Cmd::Decode(a) => decode::run(a),
+    };
+    if let Err(e) = r {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+    let _ = t;
+}
+
+/// Median, min and max of a sample.
+pub fn stats(v: &[f64]) -> (f64, f64, f64) {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let med = if s.len() % 2 == 1 { s[s.len() / 2] } else { (s[s.len() / 2 - 1] + s[s.len() / 2]) / 2.0 };
+    (med, s[0], s[s.len() - 1])
+}
+
+#[allow(dead_code)]
+fn _unused() -> Result<()> {
+    Ok(())
+}

@@ -58,6 +58,28 @@ const KIND_F32: u8 = 0;
 const KIND_BF16: u8 = 1;
 const KIND_F16: u8 = 2;
 
+/// The activations, plus (for the AVX-512 bf16 kernel) the same values split even/odd per
+/// 32-chunk, computed once per call and shared by every task.
+pub(crate) struct Input<'a> {
+    x: &'a [f32],
+    split: Option<(&'a [f32], usize)>,
+}
+
+/// Rearranges each 32-value chunk of each row of `x` (`[n, k]`) as its 16 even-indexed values
+/// followed by its 16 odd-indexed ones, zero-padding rows to a multiple of 32.
+fn split_even_odd(x: &[f32], n: usize, k: usize) -> (Vec<f32>, usize) {
+    let kp = k.div_ceil(32) * 32;
+    let mut out = vec![0f32; n * kp];
+    for t in 0..n {
+        let (src, dst) = (&x[t * k..(t + 1) * k], &mut out[t * kp..(t + 1) * kp]);
+        for (j, &v) in src.iter().enumerate() {
+            let (c, o) = (j / 32, j % 32);
+            dst[c * 32 + (o % 2) * 16 + o / 2] = v;
+        }
+    }
+    (out, kp)
+}
+
 /// Raw output pointer shared by tasks that write disjoint elements.
 #[derive(Clone, Copy)]
 struct OutPtr(*mut f32);
@@ -95,12 +117,14 @@ pub fn matmul_with(isa: Isa, pool: &ThreadPool, x: &[f32], n: usize, mats: &mut 
             r = e;
         }
     }
+    let split = (isa == Isa::Avx512 && mats.iter().any(|(m, _)| matches!(m.w, Weights::Bf16(_)))).then(|| split_even_odd(x, n, k));
+    let input = Input { x, split: split.as_ref().map(|(v, kp)| (&v[..], *kp)) };
     let views: Vec<(Matrix<'_>, OutPtr)> = mats.iter_mut().map(|(m, o)| (*m, OutPtr(o.as_mut_ptr()))).collect();
     let job = |ti: usize| {
         let (mi, r0, r1) = tasks[ti];
         let (m, out) = views[mi];
         // SAFETY: shapes were checked above; this task writes only rows r0..r1 of `out`.
-        unsafe { rows_kernel(isa, x, n, k, &m, r0, r1, out.0, m.rows) };
+        unsafe { rows_kernel(isa, &input, n, k, &m, r0, r1, out.0, m.rows) };
     };
     pool.run(tasks.len(), &job);
 }
@@ -110,15 +134,16 @@ pub fn matmul_with(isa: Isa, pool: &ThreadPool, x: &[f32], n: usize, mats: &mut 
 /// # Safety
 /// `out` must be valid for `n * ldo` f32 writes and `x` hold `n * k` values; `m` is `[rows, k]`.
 #[allow(clippy::too_many_arguments)]
-unsafe fn rows_kernel(isa: Isa, x: &[f32], n: usize, k: usize, m: &Matrix<'_>, r0: usize, r1: usize, out: *mut f32, ldo: usize) {
+unsafe fn rows_kernel(isa: Isa, input: &Input<'_>, n: usize, k: usize, m: &Matrix<'_>, r0: usize, r1: usize, out: *mut f32, ldo: usize) {
     #[cfg(target_arch = "x86_64")]
     match isa {
         // SAFETY: Isa::Avx512/Avx2 are only produced after feature detection.
-        Isa::Avx512 => return unsafe { avx512::rows(x.as_ptr(), n, k, m, r0, r1, out, ldo) },
-        Isa::Avx2 => return unsafe { avx2::rows(x.as_ptr(), n, k, m, r0, r1, out, ldo) },
+        Isa::Avx512 => return unsafe { avx512::rows(input, n, k, m, r0, r1, out, ldo) },
+        Isa::Avx2 => return unsafe { avx2::rows(input, n, k, m, r0, r1, out, ldo) },
         Isa::Scalar => {}
     }
     let _ = isa;
+    let x = input.x;
     for t in 0..n {
         let xr = &x[t * k..(t + 1) * k];
         for r in r0..r1 {
@@ -146,33 +171,36 @@ macro_rules! rows_driver {
     ($feat:literal) => {
         #[target_feature(enable = $feat)]
         #[allow(clippy::too_many_arguments)]
-        pub(super) unsafe fn rows(x: *const f32, n: usize, k: usize, m: &Matrix<'_>, r0: usize, r1: usize, out: *mut f32, ldo: usize) {
+        pub(super) unsafe fn rows(x: &Input<'_>, n: usize, k: usize, m: &Matrix<'_>, r0: usize, r1: usize, out: *mut f32, ldo: usize) {
             let (kind, w) = m.kind();
             // SAFETY (whole body): every tile stays inside rows r0..r1 and tokens 0..n, which the
             // caller guarantees are in bounds of `x`, the matrix and `out`.
             unsafe {
                 match kind {
-                    KIND_F32 => rows_k::<KIND_F32>(x, n, k, w, r0, r1, out, ldo),
-                    KIND_BF16 => rows_k::<KIND_BF16>(x, n, k, w, r0, r1, out, ldo),
-                    _ => rows_k::<KIND_F16>(x, n, k, w, r0, r1, out, ldo),
+                    KIND_F32 => rows_k::<KIND_F32>(x.x.as_ptr(), k, n, k, w, r0, r1, out, ldo),
+                    KIND_BF16 => match x.split {
+                        Some((xs, ldx)) => rows_k::<KIND_BF16>(xs.as_ptr(), ldx, n, k, w, r0, r1, out, ldo),
+                        None => rows_k::<KIND_BF16>(x.x.as_ptr(), k, n, k, w, r0, r1, out, ldo),
+                    },
+                    _ => rows_k::<KIND_F16>(x.x.as_ptr(), k, n, k, w, r0, r1, out, ldo),
                 }
             }
         }
 
         #[target_feature(enable = $feat)]
         #[allow(clippy::too_many_arguments)]
-        unsafe fn rows_k<const K: u8>(x: *const f32, n: usize, k: usize, w: *const u8, r0: usize, r1: usize, out: *mut f32, ldo: usize) {
+        unsafe fn rows_k<const K: u8>(x: *const f32, ldx: usize, n: usize, k: usize, w: *const u8, r0: usize, r1: usize, out: *mut f32, ldo: usize) {
             // SAFETY (whole body): see `rows`.
             unsafe {
                 let mut t = 0;
                 while t + TT <= n {
                     let mut r = r0;
                     while r + TR <= r1 {
-                        tile::<K, TR, TT>(x.add(t * k), k, w, r, out.add(t * ldo), ldo);
+                        tile::<K, TR, TT>(x.add(t * ldx), ldx, k, w, r, out.add(t * ldo), ldo);
                         r += TR;
                     }
                     while r < r1 {
-                        tile::<K, 1, TT>(x.add(t * k), k, w, r, out.add(t * ldo), ldo);
+                        tile::<K, 1, TT>(x.add(t * ldx), ldx, k, w, r, out.add(t * ldo), ldo);
                         r += 1;
                     }
                     t += TT;
@@ -181,21 +209,21 @@ macro_rules! rows_driver {
                 if rest > 1 {
                     let mut r = r0;
                     while r + TR <= r1 {
-                        small_tile::<K, TR>(rest, x.add(t * k), k, w, r, out.add(t * ldo), ldo);
+                        small_tile::<K, TR>(rest, x.add(t * ldx), ldx, k, w, r, out.add(t * ldo), ldo);
                         r += TR;
                     }
                     while r < r1 {
-                        small_tile::<K, 1>(rest, x.add(t * k), k, w, r, out.add(t * ldo), ldo);
+                        small_tile::<K, 1>(rest, x.add(t * ldx), ldx, k, w, r, out.add(t * ldo), ldo);
                         r += 1;
                     }
                 } else if rest == 1 {
                     let mut r = r0;
                     while r + 8 <= r1 {
-                        tile::<K, 8, 1>(x.add(t * k), k, w, r, out.add(t * ldo), ldo);
+                        tile::<K, 8, 1>(x.add(t * ldx), ldx, k, w, r, out.add(t * ldo), ldo);
                         r += 8;
                     }
                     while r < r1 {
-                        tile::<K, 1, 1>(x.add(t * k), k, w, r, out.add(t * ldo), ldo);
+                        tile::<K, 1, 1>(x.add(t * ldx), ldx, k, w, r, out.add(t * ldo), ldo);
                         r += 1;
                     }
                 }
@@ -205,14 +233,14 @@ macro_rules! rows_driver {
         /// Fewer than `TT` tokens: dispatch to a tile of exactly that many.
         #[target_feature(enable = $feat)]
         #[allow(clippy::too_many_arguments)]
-        unsafe fn small_tile<const K: u8, const R: usize>(nt: usize, x: *const f32, k: usize, w: *const u8, r: usize, out: *mut f32, ldo: usize) {
+        unsafe fn small_tile<const K: u8, const R: usize>(nt: usize, x: *const f32, ldx: usize, k: usize, w: *const u8, r: usize, out: *mut f32, ldo: usize) {
             // SAFETY: forwards the caller's bounds.
             unsafe {
                 match nt {
-                    2 => tile::<K, R, 2>(x, k, w, r, out, ldo),
-                    3 => tile::<K, R, 3>(x, k, w, r, out, ldo),
-                    4 => tile::<K, R, 4>(x, k, w, r, out, ldo),
-                    5 => tile::<K, R, 5>(x, k, w, r, out, ldo),
+                    2 => tile::<K, R, 2>(x, ldx, k, w, r, out, ldo),
+                    3 => tile::<K, R, 3>(x, ldx, k, w, r, out, ldo),
+                    4 => tile::<K, R, 4>(x, ldx, k, w, r, out, ldo),
+                    5 => tile::<K, R, 5>(x, ldx, k, w, r, out, ldo),
                     _ => unreachable!("small_tile takes 2..TT tokens"),
                 }
             }
@@ -222,10 +250,11 @@ macro_rules! rows_driver {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
+    use super::avx512_bf16_tile::tile_bf16;
     use super::*;
     use std::arch::x86_64::*;
 
-    const TT: usize = 6;
+    const TT: usize = 4;
     const TR: usize = 4;
     const LANES: usize = 16;
 
@@ -272,16 +301,32 @@ mod avx512 {
     /// R weight rows starting at row `r` × T tokens.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    unsafe fn tile<const K: u8, const R: usize, const T: usize>(x: *const f32, k: usize, w: *const u8, r: usize, out: *mut f32, ldo: usize) {
+    unsafe fn tile<const K: u8, const R: usize, const T: usize>(x: *const f32, ldx: usize, k: usize, w: *const u8, r: usize, out: *mut f32, ldo: usize) {
+        if K == KIND_BF16 {
+            // SAFETY: same contract.
+            return unsafe { tile_bf16::<R, T>(x, ldx, k, w.cast(), r, out, ldo) };
+        }
         // SAFETY: rows r..r+R of `w` and tokens 0..T of `x`/`out` are in bounds (caller).
         unsafe {
             let mut acc = [[_mm512_setzero_ps(); T]; R];
             let full = k / LANES * LANES;
+            let esz = if K == KIND_F32 { 4 } else { 2 };
+            // The R rows of this tile are one contiguous block, but we walk them as R short
+            // interleaved streams that the hardware prefetcher barely ramps up on. So prefetch
+            // the next tile's block linearly: each step consumes R·16 elements, the same amount.
+            let step_bytes = R * LANES * esz;
+            let next = w.wrapping_add((r + R) * k * esz);
             let mut i = 0;
             while i < full {
+                let pf = next.wrapping_add(i / LANES * step_bytes);
+                let mut line = 0;
+                while line < step_bytes {
+                    _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(line).cast());
+                    line += 64;
+                }
                 let mut xv = [_mm512_setzero_ps(); T];
                 for t in 0..T {
-                    xv[t] = _mm512_loadu_ps(x.add(t * k + i));
+                    xv[t] = _mm512_loadu_ps(x.add(t * ldx + i));
                 }
                 for ri in 0..R {
                     let wv = load_w::<K>(w, (r + ri) * k + i);
@@ -295,7 +340,7 @@ mod avx512 {
                 let mask: __mmask16 = ((1u32 << (k - full)) - 1) as u16;
                 let mut xv = [_mm512_setzero_ps(); T];
                 for t in 0..T {
-                    xv[t] = _mm512_maskz_loadu_ps(mask, x.add(t * k + i));
+                    xv[t] = _mm512_maskz_loadu_ps(mask, x.add(t * ldx + i));
                 }
                 for ri in 0..R {
                     let wv = load_w_tail::<K>(w, (r + ri) * k + i, mask);
@@ -303,6 +348,63 @@ mod avx512 {
                         acc[ri][t] = _mm512_fmadd_ps(wv, xv[t], acc[ri][t]);
                     }
                 }
+            }
+            for ri in 0..R {
+                for t in 0..T {
+                    *out.add(t * ldo + r + ri) = _mm512_reduce_add_ps(acc[ri][t]);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512_bf16_tile {
+    use std::arch::x86_64::*;
+
+    /// bf16 weights, 32 at a time: one 64-byte load holds 16 (even, odd) pairs; a shift left by
+    /// 16 yields the even elements as f32, masking the low half yields the odd ones. That is two
+    /// cheap in-lane ops per 32 weights instead of two widening shuffles and two shifts, which on
+    /// cores that split 512-bit ops in two is what keeps decode at memory speed. The activations
+    /// arrive pre-split (`split_even_odd`): each 32-chunk stored as its 16 even then 16 odd
+    /// values, zero-padded to a multiple of 32, `ldx` floats per token.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn tile_bf16<const R: usize, const T: usize>(x: *const f32, ldx: usize, k: usize, w: *const u16, r: usize, out: *mut f32, ldo: usize) {
+        // SAFETY: rows r..r+R of `w` (k elements each) and tokens 0..T of `x`/`out` are in bounds
+        // (caller); masked loads never touch lanes beyond k; prefetches cannot fault.
+        unsafe {
+            let hi = _mm512_set1_epi32(0xffff_0000u32 as i32);
+            let mut acc = [[_mm512_setzero_ps(); T]; R];
+            let full = k / 32 * 32;
+            let step_bytes = R * 64;
+            let next = w.wrapping_add((r + R) * k).cast::<u8>();
+            let mut i = 0;
+            while i < k {
+                let rem = k - i;
+                let m32: __mmask32 = if i < full { !0 } else { ((1u64 << rem) - 1) as u32 };
+                let pf = next.wrapping_add(i / 32 * step_bytes);
+                let mut line = 0;
+                while line < step_bytes {
+                    _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(line).cast());
+                    line += 64;
+                }
+                let mut xe = [_mm512_setzero_ps(); T];
+                let mut xo = [_mm512_setzero_ps(); T];
+                for t in 0..T {
+                    xe[t] = _mm512_loadu_ps(x.add(t * ldx + i));
+                    xo[t] = _mm512_loadu_ps(x.add(t * ldx + i + 16));
+                }
+                for ri in 0..R {
+                    let wv = _mm512_maskz_loadu_epi16(m32, w.add((r + ri) * k + i).cast());
+                    let we = _mm512_castsi512_ps(_mm512_slli_epi32(wv, 16));
+                    let wo = _mm512_castsi512_ps(_mm512_and_si512(wv, hi));
+                    for t in 0..T {
+                        acc[ri][t] = _mm512_fmadd_ps(we, xe[t], acc[ri][t]);
+                        acc[ri][t] = _mm512_fmadd_ps(wo, xo[t], acc[ri][t]);
+                    }
+                }
+                i += 32;
             }
             for ri in 0..R {
                 for t in 0..T {
@@ -354,7 +456,7 @@ mod avx2 {
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn tile<const K: u8, const R: usize, const T: usize>(x: *const f32, k: usize, w: *const u8, r: usize, out: *mut f32, ldo: usize) {
+    unsafe fn tile<const K: u8, const R: usize, const T: usize>(x: *const f32, ldx: usize, k: usize, w: *const u8, r: usize, out: *mut f32, ldo: usize) {
         // SAFETY: rows r..r+R of `w` and tokens 0..T of `x`/`out` are in bounds (caller).
         unsafe {
             let mut acc = [[_mm256_setzero_ps(); T]; R];
@@ -363,7 +465,7 @@ mod avx2 {
             while i < full {
                 let mut xv = [_mm256_setzero_ps(); T];
                 for t in 0..T {
-                    xv[t] = _mm256_loadu_ps(x.add(t * k + i));
+                    xv[t] = _mm256_loadu_ps(x.add(t * ldx + i));
                 }
                 for ri in 0..R {
                     let wv = load_w::<K>(w, (r + ri) * k + i);
@@ -380,7 +482,7 @@ mod avx2 {
                 let mut xv = [_mm256_setzero_ps(); T];
                 for t in 0..T {
                     let mut buf = [0f32; LANES];
-                    std::ptr::copy_nonoverlapping(x.add(t * k + i), buf.as_mut_ptr(), rem);
+                    std::ptr::copy_nonoverlapping(x.add(t * ldx + i), buf.as_mut_ptr(), rem);
                     xv[t] = _mm256_loadu_ps(buf.as_ptr());
                 }
                 for ri in 0..R {

@@ -1,38 +1,56 @@
-//! A heap buffer aligned to 4 KiB.
+//! A zeroed heap buffer aligned to 2 MiB and backed by transparent huge pages where allowed.
 //!
-//! Direct I/O needs buffers aligned to the device's logical block size, and kernels read weights
-//! as `&[f32]`/`&[u16]`, which needs at least element alignment; one page-aligned allocation serves
-//! both, so a shard's data section can be read straight into the memory that kernels then use.
+//! Why not `Vec<u8>`: (1) direct I/O needs block-aligned buffers, and kernels read weights as
+//! `&[f32]`/`&[u16]`; (2) on this class of machine a fresh 4 KiB page faults in at only ~2 GB/s,
+//! slower than the disk, and decode over 4 KiB pages pays a TLB miss every few cache lines. An
+//! anonymous mapping advised `MADV_HUGEPAGE` faults 2 MiB at a time and keeps the weights in few
+//! TLB entries. The mapping is untouched until first written, so allocation itself is free.
 
-use std::alloc::{self, Layout};
 use std::ptr::NonNull;
 
 pub const ALIGN: usize = 4096;
+const HUGE: usize = 2 << 20;
 
 pub struct AlignedBuf {
+    /// Start of the usable region (2 MiB aligned).
     ptr: NonNull<u8>,
     len: usize,
+    /// The whole mapping, for munmap.
+    map: *mut libc::c_void,
+    map_len: usize,
 }
 
-// SAFETY: AlignedBuf owns its allocation exclusively, like a Vec<u8>.
+// SAFETY: AlignedBuf owns its mapping exclusively, like a Vec<u8>.
 unsafe impl Send for AlignedBuf {}
 // SAFETY: shared references only give out `&[u8]`, like a Vec<u8>.
 unsafe impl Sync for AlignedBuf {}
 
 impl AlignedBuf {
-    /// A zeroed buffer of `len` bytes (zeroing pre-faults nothing: calloc-style pages come lazily).
+    /// A zeroed buffer of `len` bytes. Panics only if the system is out of address space.
     pub fn zeroed(len: usize) -> AlignedBuf {
         if len == 0 {
-            return AlignedBuf {
-                ptr: NonNull::dangling(),
-                len: 0,
-            };
+            return AlignedBuf { ptr: NonNull::dangling(), len: 0, map: std::ptr::null_mut(), map_len: 0 };
         }
-        let layout = Layout::from_size_align(len, ALIGN).expect("buffer size overflows a Layout");
-        // SAFETY: layout has non-zero size.
-        let ptr = unsafe { alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(ptr).unwrap_or_else(|| alloc::handle_alloc_error(layout));
-        AlignedBuf { ptr, len }
+        let map_len = len + HUGE;
+        // SAFETY: an anonymous private mapping with no address hint has no preconditions.
+        let map = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if map == libc::MAP_FAILED {
+            panic!("mmap of {map_len} bytes failed: {}", std::io::Error::last_os_error());
+        }
+        let start = (map as usize).div_ceil(HUGE) * HUGE;
+        // SAFETY: [start, start + len) lies inside the mapping (we over-allocated by HUGE);
+        // madvise is only advice and failure is harmless (THP disabled), so its result is ignored.
+        unsafe { libc::madvise(start as *mut libc::c_void, len.div_ceil(HUGE) * HUGE, libc::MADV_HUGEPAGE) };
+        AlignedBuf { ptr: NonNull::new(start as *mut u8).expect("mmap returned null"), len, map, map_len }
     }
 
     pub fn len(&self) -> usize {
@@ -44,7 +62,7 @@ impl AlignedBuf {
     }
 
     pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: ptr is valid for len initialized (zeroed) bytes, or dangling with len 0.
+        // SAFETY: ptr is valid for len bytes of (zero-initialized) mapping, or dangling with len 0.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 
@@ -56,10 +74,9 @@ impl AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        if self.len != 0 {
-            let layout = Layout::from_size_align(self.len, ALIGN).expect("layout was valid at alloc");
-            // SAFETY: allocated in `zeroed` with this very layout.
-            unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) };
+        if !self.map.is_null() {
+            // SAFETY: unmaps exactly the mapping created in `zeroed`; no references outlive self.
+            unsafe { libc::munmap(self.map, self.map_len) };
         }
     }
 }

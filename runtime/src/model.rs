@@ -170,12 +170,12 @@ impl Llama {
         Ok(Llama { cfg, weights, embed, layers, norm, lm_head, inv_freq, load_time: t0.elapsed(), weight_dtype })
     }
 
-    /// Bytes of weights read per decoded token (every matrix once; the LM head once more if
-    /// it is not tied).
+    /// Bytes of weights read per decoded token: every matrix once, except that the embedding
+    /// table contributes one row unless it doubles as the (fully read) LM head.
     pub fn weight_bytes(&self) -> u64 {
         let mut b = self.weights.bytes;
-        if self.cfg.tie_word_embeddings {
-            b += self.embed.info.len();
+        if !self.cfg.tie_word_embeddings {
+            b -= self.embed.info.len() - self.embed.info.len() / self.cfg.vocab_size as u64;
         }
         b
     }

@@ -1,0 +1,110 @@
+//! `bench-coldstart decode`: batch-1 decode and prefill on the CPU backend.
+
+use std::time::Instant;
+
+use anyhow::Result;
+use serde_json::json;
+use thaw_kernels::{Isa, ThreadPool};
+use thaw_runtime::fetch::resolve_model;
+use thaw_runtime::sampling::argmax;
+use thaw_runtime::{KvCache, Llama, TextTokenizer};
+
+use crate::{membw, stats};
+
+#[derive(clap::Args)]
+pub struct DecodeArgs {
+    #[arg(long, default_value = "default")]
+    model: String,
+    /// Tokens decoded per run.
+    #[arg(long, default_value_t = 128)]
+    tokens: usize,
+    /// Prompt lengths measured for prefill.
+    #[arg(long, value_delimiter = ',', default_value = "104,512")]
+    prefill: Vec<usize>,
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
+    #[arg(long)]
+    json: bool,
+}
+
+/// A deterministic prompt of exactly `n` tokens from ordinary text.
+fn prompt(tok: &TextTokenizer, n: usize) -> Result<Vec<u32>> {
+    let text = "The lighthouse keeper climbed the spiral stairs each evening, counting the steps as his father had taught him, and watched the ships pass beyond the rocks. ";
+    let mut ids = Vec::new();
+    while ids.len() < n {
+        ids.extend(tok.encode(text, false)?);
+    }
+    ids.truncate(n);
+    Ok(ids)
+}
+
+pub fn run(a: DecodeArgs) -> Result<()> {
+    let dir = resolve_model(&a.model)?;
+    let model = Llama::load(&dir)?;
+    let tok = TextTokenizer::load(&dir)?;
+    let pool = ThreadPool::global();
+    let bw = membw::read_bandwidth(pool, 1 << 30, 5);
+    let per_token = model.weight_bytes() as f64;
+    let roofline = bw * 1e9 / per_token;
+
+    // Warm up once (page faults, caches).
+    let p16 = prompt(&tok, 16)?;
+    let mut cache = KvCache::new(&model.cfg);
+    model.forward(&p16, &mut cache, false)?;
+
+    let mut decode = Vec::new();
+    for _ in 0..a.runs {
+        let mut cache = KvCache::new(&model.cfg);
+        let mut logits = model.forward(&p16, &mut cache, false)?;
+        let t = Instant::now();
+        for _ in 0..a.tokens {
+            let id = argmax(&logits);
+            logits = model.forward(&[id], &mut cache, false)?;
+        }
+        decode.push(a.tokens as f64 / t.elapsed().as_secs_f64());
+    }
+    let (d_med, d_min, d_max) = stats(&decode);
+    let mut prefill = Vec::new();
+    for &n in &a.prefill {
+        let p = prompt(&tok, n)?;
+        let mut v = Vec::new();
+        for _ in 0..a.runs.min(3) {
+            let mut cache = KvCache::new(&model.cfg);
+            let t = Instant::now();
+            model.forward(&p, &mut cache, false)?;
+            v.push(n as f64 / t.elapsed().as_secs_f64());
+        }
+        let (med, min, max) = stats(&v);
+        prefill.push(json!({"tokens": n, "tokens_per_s": med, "min": min, "max": max}));
+    }
+    let out = json!({
+        "model": dir.display().to_string(),
+        "weight_dtype": model.weight_dtype.name(),
+        "isa": Isa::detect().name(),
+        "threads": pool.threads(),
+        "weight_bytes_per_token": per_token,
+        "read_bandwidth_gb_s": bw,
+        "roofline_tokens_per_s": roofline,
+        "decode_tokens_per_s": d_med,
+        "decode_min": d_min,
+        "decode_max": d_max,
+        "decode_vs_roofline": d_med / roofline,
+        "prefill": prefill,
+    });
+    if a.json {
+        println!("{out}");
+    } else {
+        println!("model            {} ({}, {} threads, {})", out["model"].as_str().unwrap_or(""), model.weight_dtype, pool.threads(), Isa::detect().name());
+        println!("read bandwidth   {bw:.1} GB/s (best of 5, 1 GiB)");
+        println!("bytes per token  {:.1} MB", per_token / 1e6);
+        println!("roofline         {roofline:.1} tokens/s");
+        println!("decode (batch 1) {d_med:.1} tokens/s (min {d_min:.1}, max {d_max:.1}) = {:.2} of roofline", d_med / roofline);
+        for p in out["prefill"].as_array().unwrap() {
+            println!(
+                "prefill {:>4}     {:.1} tokens/s (min {:.1}, max {:.1})",
+                p["tokens"], p["tokens_per_s"].as_f64().unwrap(), p["min"].as_f64().unwrap(), p["max"].as_f64().unwrap()
+            );
+        }
+    }
+    Ok(())
+}
