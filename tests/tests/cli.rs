@@ -1,0 +1,165 @@
+//! `thaw` as a user runs it: fetch, tokenize, generate, convert; bad input gives one clear line.
+
+use std::path::Path;
+
+use serde_json::Value;
+use thaw_tests::{golden, model_dir, stderr, stdout, thaw};
+
+fn ids(v: &Value) -> Vec<u64> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect()
+}
+
+#[test]
+fn tokenize_matches_reference() {
+    model_dir("default");
+    for c in golden()["tokenize"].as_array().unwrap() {
+        let text = c["text"].as_str().unwrap();
+        let o = thaw(&["tokenize", "--model", "default", "--text", text]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v: Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+        assert_eq!(ids(&v["ids"]), ids(&c["ids"]), "{text:?}");
+    }
+}
+
+#[test]
+fn generate_json_f32_matches_reference() {
+    model_dir("default-f32");
+    let g = &golden()["greedy"][0];
+    let user = g["messages"][0]["content"].as_str().unwrap();
+    let o = thaw(&["generate", "--model", "default-f32", "--chat", user, "--max-tokens", "32", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    let want: Vec<u64> = ids(&g["output_ids"]).into_iter().filter(|&t| t != 2).collect();
+    assert_eq!(ids(&v["prompt_ids"]), ids(&g["prompt_ids"]));
+    assert_eq!(ids(&v["output_ids"]), want);
+    assert_eq!(v["text"], g["output_text"]);
+    assert_eq!(v["finish_reason"], "stop");
+    for k in ["load_ms", "ttft_ms", "decode_tokens_per_s"] {
+        assert!(v["timings"][k].as_f64().unwrap() > 0.0, "{k}: {}", v["timings"]);
+    }
+}
+
+#[test]
+fn generate_streams_text_and_honours_limits() {
+    model_dir("default");
+    // Raw prompt ids, fixed length with ignore_eos.
+    let o = thaw(&["generate", "--model", "default", "--prompt-ids", "504,3575,282,4649,314", "--max-tokens", "7", "--ignore-eos", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(v["output_ids"].as_array().unwrap().len(), 7);
+    assert_eq!(v["finish_reason"], "length");
+    // Streaming mode prints the text; a stop string cuts it.
+    let o = thaw(&["generate", "--model", "default", "--chat", "What is the capital of France?", "--stop", " Paris"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stdout(&o).trim_end(), "The capital of France is");
+    // Seeded sampling is reproducible.
+    let args = ["generate", "--model", "default", "--prompt", "Once upon a time", "--temperature", "0.9", "--top-p", "0.95", "--seed", "7", "--max-tokens", "16", "--json"];
+    let (a, b) = (thaw(&args), thaw(&args));
+    let text = |o: &std::process::Output| serde_json::from_str::<Value>(stdout(o).trim()).unwrap()["output_ids"].clone();
+    assert_eq!(text(&a), text(&b));
+}
+
+#[test]
+fn sharded_conversion_loads_and_generates() {
+    let gguf = dirs_gguf();
+    let out = tempfile::tempdir().unwrap();
+    let o = thaw(&["convert", "--gguf", gguf.to_str().unwrap(), "--out", out.path().to_str().unwrap(), "--shard-size", "50MB"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let index: Value = serde_json::from_str(&std::fs::read_to_string(out.path().join("model.safetensors.index.json")).unwrap()).unwrap();
+    let shards: std::collections::BTreeSet<&str> = index["weight_map"].as_object().unwrap().values().map(|v| v.as_str().unwrap()).collect();
+    assert!(shards.len() >= 5, "{shards:?}");
+    let o = thaw(&["generate", "--model", out.path().to_str().unwrap(), "--chat", "What is the capital of France?", "--max-tokens", "8"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("Paris"), "{}", stdout(&o));
+}
+
+fn dirs_gguf() -> std::path::PathBuf {
+    model_dir("default");
+    let home = std::env::var_os("THAW_HOME")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| Path::new(&std::env::var("HOME").unwrap()).join(".cache/thaw"));
+    home.join("downloads/SmolLM2-135M-Instruct.Q4_1.gguf")
+}
+
+/// A model directory whose tokenizer and config are the real ones and whose weights are `st`.
+fn broken_model(st: &[u8], config: Option<&str>) -> tempfile::TempDir {
+    let real = model_dir("default");
+    let d = tempfile::tempdir().unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json", "config.json"] {
+        std::fs::copy(real.join(f), d.path().join(f)).unwrap();
+    }
+    if let Some(c) = config {
+        std::fs::write(d.path().join("config.json"), c).unwrap();
+    }
+    std::fs::write(d.path().join("model.safetensors"), st).unwrap();
+    d
+}
+
+fn safetensors(header: &str, data_len: usize) -> Vec<u8> {
+    let mut v = (header.len() as u64).to_le_bytes().to_vec();
+    v.extend(header.as_bytes());
+    v.resize(v.len() + data_len, 0);
+    v
+}
+
+/// Runs `thaw generate` on `dir` and checks for a one-line error that names `file` and `what`.
+fn assert_clean_error(dir: &Path, file: &str, what: &str) {
+    let o = thaw(&["generate", "--model", dir.to_str().unwrap(), "--prompt", "hi", "--max-tokens", "2"]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "stderr: {err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
+    assert!(err.starts_with("error: "), "{err}");
+    assert!(err.contains(file) && err.contains(what), "want '{file}' and '{what}' in: {err}");
+}
+
+#[test]
+fn bad_checkpoints_give_one_line_errors() {
+    // Truncated: the real header, a fraction of the data.
+    let real = std::fs::read(model_dir("default").join("model.safetensors")).unwrap();
+    let d = broken_model(&real[..1 << 20], None);
+    assert_clean_error(d.path(), "model.safetensors", "truncated");
+
+    let d = broken_model(&safetensors(r#"{"a":{"dtype":"Q9","shape":[2],"data_offsets":[0,4]}}"#, 4), None);
+    assert_clean_error(d.path(), "model.safetensors", "unknown dtype 'Q9'");
+
+    let d = broken_model(&safetensors(r#"{"a":{"dtype":"BF16","shape":[3,3],"data_offsets":[0,16]}}"#, 16), None);
+    assert_clean_error(d.path(), "model.safetensors", "needs 18 bytes");
+
+    let d = broken_model(&safetensors(r#"{"model.norm.weight":{"dtype":"BF16","shape":[576],"data_offsets":[0,1152]}}"#, 1152), None);
+    assert_clean_error(d.path(), "", "missing tensor 'model.embed_tokens.weight'");
+
+    let cfg = r#"{"architectures":["GPT2LMHeadModel"],"hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":1,"vocab_size":8}"#;
+    let d = broken_model(&safetensors("{}", 0), Some(cfg));
+    assert_clean_error(d.path(), "config.json", "unsupported architecture 'GPT2LMHeadModel'");
+
+    // A model with the right names but a wrong shape.
+    let cfg_small = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":4,"intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":1,"vocab_size":49152}"#;
+    let d = broken_model(&safetensors(r#"{"model.embed_tokens.weight":{"dtype":"F32","shape":[49152,5],"data_offsets":[0,983040]}}"#, 983040), Some(cfg_small));
+    assert_clean_error(d.path(), "model.safetensors", "has shape [49152, 5], expected [49152, 4]");
+
+    // An index that names a shard that is not there.
+    let d = broken_model(&safetensors("{}", 0), None);
+    std::fs::write(d.path().join("model.safetensors.index.json"), r#"{"weight_map":{"x":"model-00001-of-00002.safetensors"}}"#).unwrap();
+    assert_clean_error(d.path(), "model.safetensors.index.json", "does not exist");
+}
+
+#[test]
+fn bad_gguf_and_bad_arguments() {
+    let d = tempfile::tempdir().unwrap();
+    let g = d.path().join("bad.gguf");
+    std::fs::write(&g, b"GGMLxxxxxxxxxxxxxxxxxxxxxxxx").unwrap();
+    let o = thaw(&["convert", "--gguf", g.to_str().unwrap(), "--out", d.path().join("out").to_str().unwrap()]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("bad.gguf") && err.contains("bad magic") && !err.contains("panicked"), "{err}");
+
+    let o = thaw(&["generate", "--model", "/nonexistent/model", "--prompt", "x"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("/nonexistent/model"), "{}", stderr(&o));
+
+    model_dir("default");
+    let o = thaw(&["generate", "--model", "default", "--prompt-ids", "1,999999", "--max-tokens", "1"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("outside the vocabulary"), "{}", stderr(&o));
+}
