@@ -10,6 +10,7 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 mod decode;
+mod kernels;
 mod membw;
 
 #[derive(Parser)]
@@ -23,12 +24,15 @@ struct Cli {
 enum Cmd {
     /// Batch-1 decode and prefill speed against the memory roofline.
     Decode(decode::DecodeArgs),
+    /// Matrix-product streaming rate against the read bandwidth.
+    Kernels(kernels::KernelArgs),
 }
 
 fn main() {
     let t = Instant::now();
     let r = match Cli::parse().cmd {
         Cmd::Decode(a) => decode::run(a),
+        Cmd::Kernels(a) => kernels::run(a),
     };
     if let Err(e) = r {
         eprintln!("error: {e:#}");

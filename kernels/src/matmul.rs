@@ -3,9 +3,8 @@
 //!
 //! Passing several matrices at once (q/k/v, gate/up) makes one parallel region instead of three,
 //! which matters at batch 1 where a region lasts microseconds. Tasks are blocks of output rows;
-//! inside a task, tokens are taken 6 at a time against 4 weight rows (24 accumulators, each weight
-//! vector loaded once for 6 tokens), and single tokens against 8 rows (8 independent FMA chains to
-//! cover the latency). Each output is the same lane-wise accumulation in every tile shape, so the
+//! inside a task, tokens are taken 4 at a time (3 with AVX2) against 4 weight rows, each weight
+//! vector loaded once for all of them, and single tokens against 4 rows. Each output is the same lane-wise accumulation in every tile shape, so the
 //! result does not depend on `n` (see the crate docs on batch invariance).
 
 use crate::{Isa, ThreadPool};
@@ -165,8 +164,8 @@ unsafe fn rows_kernel(isa: Isa, input: &Input<'_>, n: usize, k: usize, m: &Matri
     }
 }
 
-/// Generates the row-range driver for one SIMD width: token tiles of `T` against row tiles of `R`,
-/// single tokens against 8 rows, remainders against 1 row.
+/// Generates the row-range driver for one SIMD width: token tiles of `TT` against row tiles of
+/// `TR`, remainders against 1 row.
 macro_rules! rows_driver {
     ($feat:literal) => {
         #[target_feature(enable = $feat)]
@@ -218,9 +217,12 @@ macro_rules! rows_driver {
                     }
                 } else if rest == 1 {
                     let mut r = r0;
-                    while r + 8 <= r1 {
-                        tile::<K, 8, 1>(x.add(t * ldx), ldx, k, w, r, out.add(t * ldo), ldo);
-                        r += 8;
+                    // Four rows at once: enough independent FMA chains to hide latency, few
+                    // enough interleaved streams that prefetching keeps up (8 measured 25%
+                    // slower on decode's matrix-vector products, 2 slower still).
+                    while r + TR <= r1 {
+                        tile::<K, TR, 1>(x.add(t * ldx), ldx, k, w, r, out.add(t * ldo), ldo);
+                        r += TR;
                     }
                     while r < r1 {
                         tile::<K, 1, 1>(x.add(t * ldx), ldx, k, w, r, out.add(t * ldo), ldo);
@@ -396,7 +398,8 @@ mod avx512_bf16_tile {
                     xo[t] = _mm512_loadu_ps(x.add(t * ldx + i + 16));
                 }
                 for ri in 0..R {
-                    let wv = _mm512_maskz_loadu_epi16(m32, w.add((r + ri) * k + i).cast());
+                    let wp = w.add((r + ri) * k + i).cast();
+                    let wv = if i < full { _mm512_loadu_si512(wp) } else { _mm512_maskz_loadu_epi16(m32, wp.cast()) };
                     let we = _mm512_castsi512_ps(_mm512_slli_epi32(wv, 16));
                     let wo = _mm512_castsi512_ps(_mm512_and_si512(wv, hi));
                     for t in 0..T {

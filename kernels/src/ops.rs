@@ -64,7 +64,7 @@ pub fn add_inplace(a: &mut [f32], b: &[f32]) {
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     assert_eq!(gate.len(), up.len());
     for (g, &u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
+        *g = *g / (1.0 + exp_approx(-*g)) * u;
     }
 }
 
@@ -72,8 +72,9 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
 pub fn softmax(x: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0f32;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
+    x.iter_mut().for_each(|v| *v -= max);
+    exp_inplace(x);
+    for v in x.iter() {
         sum += *v;
     }
     let inv = 1.0 / sum;
@@ -139,34 +140,75 @@ pub fn attention(pool: &ThreadPool, q: &[f32], k: &[f32], v: &[f32], n: usize, l
     pool.run(n * nh, &job);
 }
 
-/// One query row against `visible` keys: online softmax, values accumulated in f32.
+/// Keys per attention block. Blocks start at absolute positions 0, B, 2B, … so a query's result
+/// depends only on its own position, never on how many queries share the call.
+pub const ATTN_BLOCK: usize = 64;
+
+/// One query row against `visible` keys: flash-style online softmax over blocks of keys — scores
+/// of a block, one rescale of the running output per block, exponentials vectorized.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_one(q: &[f32], k: &[f32], v: &[f32], visible: usize, stride: usize, off: usize, scale: f32, out: &mut [f32]) {
     let hd = q.len();
     let mut m = f32::NEG_INFINITY;
-    let mut sum = 0f32;
+    let mut l = 0f32;
+    let mut s = [0f32; ATTN_BLOCK];
     out.iter_mut().for_each(|o| *o = 0.0);
-    for j in 0..visible {
-        let kr = &k[j * stride + off..j * stride + off + hd];
-        let sc = dot(q, kr) * scale;
-        let vr = &v[j * stride + off..j * stride + off + hd];
-        if sc > m {
-            let c = (m - sc).exp();
-            sum = sum * c + 1.0;
-            for (o, &x) in out.iter_mut().zip(vr) {
-                *o = *o * c + x;
-            }
-            m = sc;
-        } else {
-            let p = (sc - m).exp();
-            sum += p;
-            for (o, &x) in out.iter_mut().zip(vr) {
+    let mut b = 0;
+    while b < visible {
+        let e = (b + ATTN_BLOCK).min(visible);
+        let sb = &mut s[..e - b];
+        for (j, sj) in sb.iter_mut().enumerate() {
+            let row = (b + j) * stride + off;
+            *sj = dot(q, &k[row..row + hd]) * scale;
+        }
+        let bm = sb.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let m_new = m.max(bm);
+        let c = if m == f32::NEG_INFINITY { 0.0 } else { exp_approx(m - m_new) };
+        sb.iter_mut().for_each(|x| *x -= m_new);
+        exp_inplace(sb);
+        let mut lanes = [0f32; L];
+        for (i, &p) in sb.iter().enumerate() {
+            lanes[i % L] += p;
+        }
+        l = l * c + combine(lanes);
+        out.iter_mut().for_each(|o| *o *= c);
+        for (j, &p) in sb.iter().enumerate() {
+            let row = (b + j) * stride + off;
+            for (o, &x) in out.iter_mut().zip(&v[row..row + hd]) {
                 *o += p * x;
             }
         }
+        m = m_new;
+        b = e;
     }
-    let inv = 1.0 / sum;
+    let inv = 1.0 / l;
     out.iter_mut().for_each(|o| *o *= inv);
+}
+
+/// `e^x` to within ~2 ulp for the range softmax needs, written so LLVM vectorizes it: split
+/// `x = n·ln2 + r` with `|r| ≤ ln2/2`, a degree-6 polynomial for `e^r`, then scale by `2^n` through
+/// the exponent bits. Inputs below −87 flush to 0.
+#[inline(always)]
+pub fn exp_approx(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    let x = x.clamp(-87.0, 88.0);
+    let n = (x * LOG2E).round();
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let p = 1.0 + r * (1.0 + r * (0.5 + r * (0.166_666_67 + r * (0.041_666_668 + r * (0.008_333_452 + r * 0.001_388_975_7)))));
+    let bits = ((n as i32 + 127) as u32) << 23;
+    let y = p * f32::from_bits(bits);
+    if x <= -87.0 {
+        0.0
+    } else {
+        y
+    }
+}
+
+/// [`exp_approx`] over a slice.
+pub fn exp_inplace(x: &mut [f32]) {
+    x.iter_mut().for_each(|v| *v = exp_approx(*v));
 }
 
 #[derive(Clone, Copy)]
@@ -232,6 +274,22 @@ mod tests {
     }
 
     #[test]
+    fn exp_approx_is_accurate() {
+        let mut x = -90.0f32;
+        while x < 88.0 {
+            let want = (x as f64).exp();
+            let got = exp_approx(x) as f64;
+            if x > -87.0 {
+                assert!((got - want).abs() <= 3e-7 * want, "exp({x}) = {got}, want {want}");
+            } else {
+                assert!(got < 1e-37);
+            }
+            x += 0.01;
+        }
+        assert_eq!(exp_approx(f32::NEG_INFINITY), 0.0);
+    }
+
+    #[test]
     fn rope_rotates_half() {
         let mut r = rng(5);
         let (heads, hd) = (3, 10);
@@ -255,7 +313,7 @@ mod tests {
     fn gqa_attention_matches_reference() {
         let pool = ThreadPool::new(2);
         let mut r = rng(9);
-        for &(n, len, nh, nkv, hd) in &[(1, 1, 1, 1, 4), (3, 7, 6, 2, 5), (5, 5, 9, 3, 17), (1, 33, 4, 4, 64)] {
+        for &(n, len, nh, nkv, hd) in &[(1, 1, 1, 1, 4), (3, 7, 6, 2, 5), (5, 5, 9, 3, 17), (1, 33, 4, 4, 64), (3, 150, 6, 2, 64), (70, 200, 2, 1, 8)] {
             let s = AttnShape { n_heads: nh, n_kv_heads: nkv, head_dim: hd };
             let q: Vec<f32> = (0..n * nh * hd).map(|_| r() * 3.0).collect();
             let k: Vec<f32> = (0..len * nkv * hd).map(|_| r() * 3.0).collect();
