@@ -25,6 +25,35 @@ pub struct DecodeArgs {
     runs: usize,
     #[arg(long)]
     json: bool,
+    /// A llama.cpp `llama-bench` binary to measure side by side, on `--peer-gguf`.
+    #[arg(long, requires = "peer_gguf")]
+    peer_llama_bench: Option<std::path::PathBuf>,
+    /// The GGUF the peer runs (e.g. the same weights as F16).
+    #[arg(long)]
+    peer_gguf: Vec<std::path::PathBuf>,
+}
+
+/// Runs llama-bench (batch-1 decode of `gen` tokens, prefill of each `prompts`) with the same
+/// thread count; returns (label, decode tokens/s, [(prompt, prefill tokens/s)]).
+fn llama_bench(bin: &std::path::Path, gguf: &std::path::Path, threads: usize, gen: usize, prompts: &[usize], runs: usize) -> Result<(String, f64, Vec<(usize, f64)>)> {
+    let p: Vec<String> = prompts.iter().map(|p| p.to_string()).collect();
+    let out = std::process::Command::new(bin)
+        .args(["-m", &gguf.display().to_string(), "-t", &threads.to_string(), "-n", &gen.to_string(), "-p", &p.join(","), "-r", &runs.to_string(), "-o", "json"])
+        .output()?;
+    anyhow::ensure!(out.status.success(), "llama-bench failed: {}", String::from_utf8_lossy(&out.stderr));
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout)?;
+    let mut decode = 0.0;
+    let mut prefill = vec![];
+    for r in &rows {
+        let ts = r["avg_ts"].as_f64().unwrap_or(0.0);
+        match (r["n_prompt"].as_u64().unwrap_or(0), r["n_gen"].as_u64().unwrap_or(0)) {
+            (0, _) => decode = ts,
+            (np, 0) => prefill.push((np as usize, ts)),
+            _ => {}
+        }
+    }
+    let label = gguf.file_name().map(|f| f.to_string_lossy().to_string()).unwrap_or_default();
+    Ok((label, decode, prefill))
 }
 
 /// A deterministic prompt of exactly `n` tokens from ordinary text.
@@ -77,7 +106,17 @@ pub fn run(a: DecodeArgs) -> Result<()> {
         let (med, min, max) = stats(&v);
         prefill.push(json!({"tokens": n, "tokens_per_s": med, "min": min, "max": max}));
     }
+    let mut peers = Vec::new();
+    if let Some(bin) = &a.peer_llama_bench {
+        for g in &a.peer_gguf {
+            let (label, dec, pre) = llama_bench(bin, g, pool.threads(), a.tokens, &a.prefill, a.runs)?;
+            peers.push(json!({"peer": format!("llama.cpp {label}"), "decode_tokens_per_s": dec,
+                "ours_vs_peer_decode": d_med / dec,
+                "prefill": pre.iter().map(|(n, t)| json!({"tokens": n, "tokens_per_s": t})).collect::<Vec<_>>()}));
+        }
+    }
     let out = json!({
+        "peers": peers,
         "model": dir.display().to_string(),
         "weight_dtype": model.weight_dtype.name(),
         "isa": Isa::detect().name(),
@@ -104,6 +143,13 @@ pub fn run(a: DecodeArgs) -> Result<()> {
                 "prefill {:>4}     {:.1} tokens/s (min {:.1}, max {:.1})",
                 p["tokens"], p["tokens_per_s"].as_f64().unwrap(), p["min"].as_f64().unwrap(), p["max"].as_f64().unwrap()
             );
+        }
+        for p in out["peers"].as_array().unwrap() {
+            println!("{}: decode {:.1} tokens/s (ours = {:.2}x)", p["peer"].as_str().unwrap(), p["decode_tokens_per_s"].as_f64().unwrap(), p["ours_vs_peer_decode"].as_f64().unwrap());
+            for (pp, ours) in p["prefill"].as_array().unwrap().iter().zip(out["prefill"].as_array().unwrap()) {
+                let (t, o) = (pp["tokens_per_s"].as_f64().unwrap(), ours["tokens_per_s"].as_f64().unwrap());
+                println!("  prefill {:>4}  {t:.1} tokens/s (ours = {:.2}x)", pp["tokens"], o / t);
+            }
         }
     }
     Ok(())

