@@ -37,7 +37,12 @@ pub struct DecodeArgs {
 /// thread count; returns (label, decode tokens/s, [(prompt, prefill tokens/s)]).
 fn llama_bench(bin: &std::path::Path, gguf: &std::path::Path, threads: usize, gen: usize, prompts: &[usize], runs: usize) -> Result<(String, f64, Vec<(usize, f64)>)> {
     let p: Vec<String> = prompts.iter().map(|p| p.to_string()).collect();
-    let out = std::process::Command::new(bin)
+    let mut cmd = std::process::Command::new(bin);
+    // scripts/build-llama-cpp.sh installs the shared libraries beside bin/ in lib/.
+    if let Some(lib) = bin.parent().and_then(|b| b.parent()).map(|p| p.join("lib")).filter(|l| l.is_dir()) {
+        cmd.env("LD_LIBRARY_PATH", lib);
+    }
+    let out = cmd
         .args(["-m", &gguf.display().to_string(), "-t", &threads.to_string(), "-n", &gen.to_string(), "-p", &p.join(","), "-r", &runs.to_string(), "-o", "json"])
         .output()?;
     anyhow::ensure!(out.status.success(), "llama-bench failed: {}", String::from_utf8_lossy(&out.stderr));

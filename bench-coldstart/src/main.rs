@@ -6,12 +6,12 @@
 
 use std::time::Instant;
 
-use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 mod decode;
 mod kernels;
 mod membw;
+mod synth;
 
 #[derive(Parser)]
 #[command(name = "bench-coldstart", about = "Cold-start, load and decode benchmarks for thaw")]
@@ -26,6 +26,8 @@ enum Cmd {
     Decode(decode::DecodeArgs),
     /// Matrix-product streaming rate against the read bandwidth.
     Kernels(kernels::KernelArgs),
+    /// Write a random-weight checkpoint with a real model's shapes and shard layout.
+    Synth(synth::SynthArgs),
 }
 
 fn main() {
@@ -33,6 +35,7 @@ fn main() {
     let r = match Cli::parse().cmd {
         Cmd::Decode(a) => decode::run(a),
         Cmd::Kernels(a) => kernels::run(a),
+        Cmd::Synth(a) => synth::run(a),
     };
     if let Err(e) = r {
         eprintln!("error: {e:#}");
@@ -47,9 +50,4 @@ pub fn stats(v: &[f64]) -> (f64, f64, f64) {
     s.sort_by(f64::total_cmp);
     let med = if s.len() % 2 == 1 { s[s.len() / 2] } else { (s[s.len() / 2 - 1] + s[s.len() / 2]) / 2.0 };
     (med, s[0], s[s.len() - 1])
-}
-
-#[allow(dead_code)]
-fn _unused() -> Result<()> {
-    Ok(())
 }
