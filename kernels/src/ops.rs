@@ -4,11 +4,37 @@
 //! shape without needing to reassociate, and the result is the same for a row whatever batch it
 //! came in.
 
-use crate::ThreadPool;
+use crate::{Isa, ThreadPool};
+
+/// Compiles a generic (`#[inline(always)]`) body three times — AVX-512, AVX2+FMA and baseline —
+/// and picks one at run time. The lane-array code is written so every version performs the same
+/// operations in the same order (Rust never fuses a multiply and an add on its own), so results
+/// are bit-identical across versions; only the vector width changes.
+macro_rules! multiversion {
+    ($vis:vis fn $name:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)? => $generic:ident) => {
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+                unsafe fn avx512($($arg: $ty),*) $(-> $ret)? { $generic($($arg),*) }
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn avx2($($arg: $ty),*) $(-> $ret)? { $generic($($arg),*) }
+                match Isa::detect() {
+                    // SAFETY: Isa::detect reports only features this CPU has.
+                    Isa::Avx512 => return unsafe { avx512($($arg),*) },
+                    // SAFETY: as above.
+                    Isa::Avx2 => return unsafe { avx2($($arg),*) },
+                    Isa::Scalar => {}
+                }
+            }
+            $generic($($arg),*)
+        }
+    };
+}
 
 const L: usize = 16;
 
-#[inline]
+#[inline(always)]
 fn combine(acc: [f32; L]) -> f32 {
     // Fixed pairwise tree.
     let mut a = acc;
@@ -23,7 +49,7 @@ fn combine(acc: [f32; L]) -> f32 {
 }
 
 /// Dot product with lane accumulators (deterministic order).
-#[inline]
+#[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     let mut acc = [0f32; L];
@@ -40,8 +66,11 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     combine(acc)
 }
 
+multiversion!(pub fn rmsnorm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) => rmsnorm_generic);
+
 /// `out = x / sqrt(mean(x²) + eps) * weight`, row by row (`x` is `[n, d]`).
-pub fn rmsnorm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+#[inline(always)]
+fn rmsnorm_generic(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let d = weight.len();
     assert_eq!(x.len(), out.len());
     assert_eq!(x.len() % d, 0);
@@ -60,8 +89,11 @@ pub fn add_inplace(a: &mut [f32], b: &[f32]) {
     a.iter_mut().zip(b).for_each(|(x, y)| *x += y);
 }
 
+multiversion!(pub fn silu_mul(gate: &mut [f32], up: &[f32]) => silu_mul_generic);
+
 /// `gate = silu(gate) * up` in place, with `silu(g) = g / (1 + e^-g)`.
-pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+#[inline(always)]
+fn silu_mul_generic(gate: &mut [f32], up: &[f32]) {
     assert_eq!(gate.len(), up.len());
     for (g, &u) in gate.iter_mut().zip(up) {
         *g = *g / (1.0 + exp_approx(-*g)) * u;
@@ -144,10 +176,78 @@ pub fn attention(pool: &ThreadPool, q: &[f32], k: &[f32], v: &[f32], n: usize, l
 /// depends only on its own position, never on how many queries share the call.
 pub const ATTN_BLOCK: usize = 64;
 
+/// One query row against `visible` keys (see [`attend_one_with`]), on the best SIMD path.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_one(q: &[f32], k: &[f32], v: &[f32], visible: usize, stride: usize, off: usize, scale: f32, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn avx512(q: &[f32], k: &[f32], v: &[f32], visible: usize, stride: usize, off: usize, scale: f32, out: &mut [f32]) {
+            // SAFETY: this function only runs where AVX-512 was detected.
+            attend_one_with(|a, b| unsafe { simd::dot_avx512(a, b) }, q, k, v, visible, stride, off, scale, out)
+        }
+        #[target_feature(enable = "avx2,fma")]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn avx2(q: &[f32], k: &[f32], v: &[f32], visible: usize, stride: usize, off: usize, scale: f32, out: &mut [f32]) {
+            attend_one_with(dot, q, k, v, visible, stride, off, scale, out)
+        }
+        match Isa::detect() {
+            // SAFETY: Isa::detect reports only features this CPU has.
+            Isa::Avx512 => return unsafe { avx512(q, k, v, visible, stride, off, scale, out) },
+            // SAFETY: as above.
+            Isa::Avx2 => return unsafe { avx2(q, k, v, visible, stride, off, scale, out) },
+            Isa::Scalar => {}
+        }
+    }
+    attend_one_generic(q, k, v, visible, stride, off, scale, out)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attend_one_generic(q: &[f32], k: &[f32], v: &[f32], visible: usize, stride: usize, off: usize, scale: f32, out: &mut [f32]) {
+    attend_one_with(dot, q, k, v, visible, stride, off, scale, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use std::arch::x86_64::*;
+
+    /// [`super::dot`] with explicit AVX-512: the same multiplies, adds and reduction tree in the
+    /// same order (so the same bits), without relying on the auto-vectorizer.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let full = n / 16 * 16;
+        // SAFETY: loads stay below `n` (masked for the tail).
+        unsafe {
+            let mut acc = _mm512_setzero_ps();
+            let mut i = 0;
+            while i < full {
+                acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(a.as_ptr().add(i)), _mm512_loadu_ps(b.as_ptr().add(i))));
+                i += 16;
+            }
+            if full < n {
+                let m: __mmask16 = ((1u32 << (n - full)) - 1) as u16;
+                let p = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, a.as_ptr().add(i)), _mm512_maskz_loadu_ps(m, b.as_ptr().add(i)));
+                acc = _mm512_mask_add_ps(acc, m, acc, p);
+            }
+            let lo = _mm512_castps512_ps256(acc);
+            let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc)));
+            let s8 = _mm256_add_ps(lo, hi);
+            let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
+            let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+            let s1 = _mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2));
+            _mm_cvtss_f32(s1)
+        }
+    }
+}
+
 /// One query row against `visible` keys: flash-style online softmax over blocks of keys — scores
 /// of a block, one rescale of the running output per block, exponentials vectorized.
 #[allow(clippy::too_many_arguments)]
-pub fn attend_one(q: &[f32], k: &[f32], v: &[f32], visible: usize, stride: usize, off: usize, scale: f32, out: &mut [f32]) {
+#[inline(always)]
+fn attend_one_with(dot: impl Fn(&[f32], &[f32]) -> f32, q: &[f32], k: &[f32], v: &[f32], visible: usize, stride: usize, off: usize, scale: f32, out: &mut [f32]) {
     let hd = q.len();
     let mut m = f32::NEG_INFINITY;
     let mut l = 0f32;
@@ -207,6 +307,7 @@ pub fn exp_approx(x: f32) -> f32 {
 }
 
 /// [`exp_approx`] over a slice.
+#[inline(always)]
 pub fn exp_inplace(x: &mut [f32]) {
     x.iter_mut().for_each(|v| *v = exp_approx(*v));
 }
@@ -271,6 +372,38 @@ mod tests {
                 assert!(close(sm[i], (x[i] as f64 * 30.0 - mx).exp() / z, 1e-5));
             }
         }
+    }
+
+    #[test]
+    fn simd_versions_match_baseline_bits() {
+        let mut r = rng(13);
+        let (len, hd, stride) = (150, 64, 192);
+        let q: Vec<f32> = (0..hd).map(|_| r() * 3.0).collect();
+        let k: Vec<f32> = (0..len * stride).map(|_| r() * 3.0).collect();
+        let v: Vec<f32> = (0..len * stride).map(|_| r()).collect();
+        for n in [1, 15, 16, 17, 64, 70] {
+            let d = dot(&v[..n], &k[..n]);
+            #[cfg(target_arch = "x86_64")]
+            if Isa::detect() == Isa::Avx512 {
+                // SAFETY: AVX-512 was detected.
+                assert_eq!(d.to_bits(), unsafe { simd::dot_avx512(&v[..n], &k[..n]) }.to_bits(), "n {n}");
+            }
+            let _ = d;
+        }
+        let (mut a, mut b) = (vec![0f32; hd], vec![0f32; hd]);
+        attend_one(&q, &k, &v, len, stride, 64, 0.125, &mut a);
+        attend_one_generic(&q, &k, &v, len, stride, 64, 0.125, &mut b);
+        assert_eq!(a, b);
+        let x: Vec<f32> = (0..3 * 577).map(|_| r()).collect();
+        let w: Vec<f32> = (0..577).map(|_| r()).collect();
+        let (mut a, mut b) = (vec![0f32; x.len()], vec![0f32; x.len()]);
+        rmsnorm(&x, &w, 1e-5, &mut a);
+        rmsnorm_generic(&x, &w, 1e-5, &mut b);
+        assert_eq!(a, b);
+        let (mut a, mut b) = (x.clone(), x.clone());
+        silu_mul(&mut a, &x);
+        silu_mul_generic(&mut b, &x);
+        assert_eq!(a, b);
     }
 
     #[test]
