@@ -10,6 +10,7 @@ use clap::{Parser, Subcommand};
 
 mod decode;
 mod kernels;
+mod load;
 mod membw;
 mod synth;
 
@@ -26,6 +27,8 @@ enum Cmd {
     Decode(decode::DecodeArgs),
     /// Matrix-product streaming rate against the read bandwidth.
     Kernels(kernels::KernelArgs),
+    /// Every load strategy, page cache warm and cold, against the floor for the same bytes.
+    Load(load::LoadArgs),
     /// Write a random-weight checkpoint with a real model's shapes and shard layout.
     Synth(synth::SynthArgs),
 }
@@ -36,6 +39,7 @@ fn main() {
         Cmd::Decode(a) => decode::run(a),
         Cmd::Kernels(a) => kernels::run(a),
         Cmd::Synth(a) => synth::run(a),
+        Cmd::Load(a) => load::run(a),
     };
     if let Err(e) = r {
         eprintln!("error: {e:#}");

@@ -9,8 +9,10 @@
 //!   views into the page cache. Valid for the CPU backend because it computes on weights in their
 //!   stored dtype.
 //! * `auto` — looks at what is cheap to know: the fraction of the files resident in the page cache
-//!   (mincore on a mapping). Resident → `pread`; otherwise → `uring-direct`. Where O_DIRECT or
-//!   io_uring is refused (tmpfs, old kernels, seccomp) it falls back to `pread` and says why.
+//!   (mincore on a mapping). Resident → `mmap` in place (measured: ~5 ms for the default model vs
+//!   ~35 ms to copy it, and decode runs at the same speed on either); otherwise → `uring-direct`.
+//!   Where O_DIRECT or io_uring is refused (tmpfs, old kernels, seccomp) it falls back to `pread`
+//!   and says why.
 //!
 //! Every chunk is verified against the manifest as it lands when one exists; a mismatch names the
 //! shard and byte range. Nothing is reported loaded until every chunk has landed and checked out.
@@ -248,7 +250,8 @@ pub fn load(ck: &Checkpoint, opts: &LoadOptions, progress: &mut dyn FnMut(Progre
     let resident = resident_fraction(&plan);
     let mut stats = LoadStats { bytes: plan.total_bytes(), resident, verified: expected.is_some(), ..Default::default() };
     let mut strategy = match opts.strategy {
-        Strategy::Auto if resident >= 0.9 => Strategy::Pread,
+        // Resident: use the page cache in place — nothing to read, nothing to copy.
+        Strategy::Auto if resident >= 0.9 => Strategy::Mmap,
         Strategy::Auto => Strategy::UringDirect,
         s => s,
     };
@@ -411,14 +414,35 @@ fn load_mmap(
         let m = unsafe { memmap2::MmapOptions::new().populate().map(&f) }.map_err(|e| LoadError::io(&s.path, e))?;
         maps.push(m);
     }
-    for (i, c) in plan.chunks.iter().enumerate() {
-        let m = &maps[c.shard];
-        let end = ((c.file_off + c.len) as usize).min(m.len());
-        if let Some(h) = expected {
-            let t = Instant::now();
-            verify_chunk(plan, c, &m[c.file_off as usize..end], &h[i])?;
-            *verify_time += t.elapsed();
+    if let Some(h) = expected {
+        // Hash on every core: in place, verification is the only work left.
+        let t = Instant::now();
+        let next = AtomicUsize::new(0);
+        let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        let errors: Mutex<Option<LoadError>> = Mutex::new(None);
+        std::thread::scope(|scope| {
+            for _ in 0..threads {
+                scope.spawn(|| loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= plan.chunks.len() {
+                        break;
+                    }
+                    let c = &plan.chunks[i];
+                    let m = &maps[c.shard];
+                    let end = ((c.file_off + c.len) as usize).min(m.len());
+                    if let Err(e) = verify_chunk(plan, c, &m[c.file_off as usize..end], &h[i]) {
+                        errors.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
+                        break;
+                    }
+                });
+            }
+        });
+        *verify_time += t.elapsed();
+        if let Some(e) = errors.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            return Err(Failed(e));
         }
+    }
+    for c in &plan.chunks {
         progress(tracker.land(plan, c));
     }
     Ok(maps.into_iter().map(Backing::Map).collect())

@@ -163,3 +163,30 @@ fn bad_gguf_and_bad_arguments() {
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("outside the vocabulary"), "{}", stderr(&o));
 }
+
+#[test]
+fn unreadable_model_directory_is_a_clear_error() {
+    let real = model_dir("default");
+    let d = tempfile::tempdir().unwrap();
+    for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(real.join(f), d.path().join(f)).unwrap();
+    }
+    std::os::unix::fs::symlink(real.join("model.safetensors"), d.path().join("model.safetensors")).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(0o000)).unwrap();
+    // Root ignores permission bits: run as an unprivileged user where we are root.
+    let is_root = std::process::Command::new("id").arg("-u").output().map(|o| stdout(&o).trim() == "0").unwrap_or(false);
+    let bin = thaw_tests::bin("thaw");
+    let mut cmd = if is_root {
+        let mut c = std::process::Command::new("setpriv");
+        c.args(["--reuid=65534", "--regid=65534", "--clear-groups"]).arg(&bin);
+        c
+    } else {
+        std::process::Command::new(&bin)
+    };
+    let o = cmd.args(["generate", "--model", d.path().to_str().unwrap(), "--prompt", "hi"]).output().unwrap();
+    std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains(d.path().to_str().unwrap()) && err.contains("ermission denied") && !err.contains("panicked"), "{err}");
+}

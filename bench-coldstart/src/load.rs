@@ -1,0 +1,205 @@
+//! `bench-coldstart load`: every load strategy on a checkpoint, page cache warm and cold, against
+//! the floor for the same bytes measured in the same run — warm: an in-process memory copy;
+//! cold: the best large-block O_DIRECT read of the files at several queue depths.
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use serde_json::json;
+use thaw_loader::{Checkpoint, HostWeights, LoadOptions, LoadPlan, Strategy, Verify};
+
+use crate::stats;
+
+#[derive(clap::Args)]
+pub struct LoadArgs {
+    #[arg(long, default_value = "default")]
+    model: String,
+    #[arg(long, value_delimiter = ',', default_value = "uring-direct,pread,mmap,auto")]
+    strategies: Vec<Strategy>,
+    /// Page-cache states to measure: warm, cold.
+    #[arg(long, value_delimiter = ',', default_value = "warm,cold")]
+    cache: Vec<String>,
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
+    #[arg(long, default_value_t = 8 << 20)]
+    chunk_size: u64,
+    #[arg(long, default_value_t = 16)]
+    queue_depth: usize,
+    /// Verify the manifest: auto (when present) or off.
+    #[arg(long, default_value = "auto")]
+    verify: String,
+    #[arg(long)]
+    json: bool,
+}
+
+/// Drops the files' pages from the page cache: the whole cache where permitted, else each file's
+/// pages with posix_fadvise(DONTNEED). Returns the method used.
+pub fn evict(files: &[PathBuf]) -> &'static str {
+    // SAFETY: sync has no preconditions.
+    unsafe { libc::sync() };
+    if std::fs::write("/proc/sys/vm/drop_caches", "1\n").is_ok() {
+        return "drop_caches";
+    }
+    for f in files {
+        if let Ok(file) = File::open(f) {
+            // SAFETY: fadvise on an open descriptor; advisory only.
+            unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        }
+    }
+    "fadvise"
+}
+
+/// Memory-copy floor: GB/s of one plain copy between two pre-faulted buffers (up to 1 GiB,
+/// repeated to cover `bytes`).
+fn memcpy_floor(bytes: u64) -> f64 {
+    let n = bytes.min(1 << 30) as usize;
+    let src = vec![1u8; n];
+    let mut dst = vec![0u8; n];
+    dst.copy_from_slice(&src);
+    let mut best = 0f64;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let mut done = 0u64;
+        while done < bytes {
+            let k = ((bytes - done) as usize).min(n);
+            dst[..k].copy_from_slice(&src[..k]);
+            done += k as u64;
+        }
+        std::hint::black_box(&dst);
+        best = best.max(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    best
+}
+
+/// Direct-read floor: the best GB/s of O_DIRECT reads of the shards (up to 2 GiB in all) in
+/// `block`-sized requests at each queue depth, into pre-faulted buffers.
+fn direct_floor(files: &[PathBuf], block: usize) -> Result<Vec<(usize, f64)>> {
+    use io_uring::{opcode, types, IoUring};
+    let mut out = Vec::new();
+    for depth in [1usize, 4, 16, 32] {
+        let mut bufs: Vec<thaw_loader::AlignedBuf> = (0..depth).map(|_| thaw_loader::AlignedBuf::zeroed(block)).collect();
+        for b in &mut bufs {
+            b.as_mut_slice().fill(1);
+        }
+        let mut ring = IoUring::new(depth as u32)?;
+        let t = Instant::now();
+        let mut total = 0u64;
+        let budget = 2u64 << 30;
+        'files: for f in files {
+            let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(f).with_context(|| format!("O_DIRECT open {}", f.display()))?;
+            let len = file.metadata()?.len();
+            let mut off = 0u64;
+            let mut free: Vec<usize> = (0..depth).collect();
+            let mut inflight = 0;
+            loop {
+                while off < len && total < budget {
+                    let Some(b) = free.pop() else { break };
+                    let ptr = bufs[b].as_mut_slice().as_mut_ptr();
+                    let e = opcode::Read::new(types::Fd(file.as_raw_fd()), ptr, block as u32).offset(off).build().user_data(b as u64);
+                    // SAFETY: buffer b is ours until its completion is reaped below.
+                    unsafe { ring.submission().push(&e).expect("queue sized to depth") };
+                    off += block as u64;
+                    total += block.min((len.saturating_sub(off - block as u64)) as usize) as u64;
+                    inflight += 1;
+                }
+                if inflight == 0 {
+                    break;
+                }
+                ring.submit_and_wait(1)?;
+                let done: Vec<(u64, i32)> = ring.completion().map(|c| (c.user_data(), c.result())).collect();
+                for (b, res) in done {
+                    anyhow::ensure!(res >= 0, "O_DIRECT read of {} failed: {}", f.display(), std::io::Error::from_raw_os_error(-res));
+                    free.push(b as usize);
+                    inflight -= 1;
+                }
+            }
+            if total >= budget {
+                break 'files;
+            }
+        }
+        out.push((depth, total as f64 / t.elapsed().as_secs_f64() / 1e9));
+    }
+    Ok(out)
+}
+
+pub fn run(a: LoadArgs) -> Result<()> {
+    let dir = thaw_runtime::fetch::resolve_model(&a.model)?;
+    let ck = Checkpoint::open(&dir)?;
+    let files: Vec<PathBuf> = ck.shards.iter().map(|s| s.path.clone()).collect();
+    let plan = LoadPlan::new(&ck, a.chunk_size);
+    let bytes = plan.total_bytes();
+    let verify = if a.verify == "off" { Verify::Off } else { Verify::Auto };
+    let mut rows = Vec::new();
+    let warm_floor = memcpy_floor(bytes);
+    let cold_floors = if a.cache.iter().any(|c| c == "cold") { direct_floor(&files, 8 << 20)? } else { vec![] };
+    let cold_floor = cold_floors.iter().map(|x| x.1).fold(0.0, f64::max);
+    let mut evict_method = "";
+    for cache in &a.cache {
+        for &strategy in &a.strategies {
+            let mut gbs = Vec::new();
+            let mut last = None;
+            for _ in 0..a.runs {
+                if cache == "cold" {
+                    evict_method = evict(&files);
+                } else {
+                    warm(&files)?;
+                }
+                let opts = LoadOptions { strategy, chunk_size: a.chunk_size, queue_depth: a.queue_depth, verify, ..LoadOptions::default() };
+                let t = Instant::now();
+                let w = HostWeights::load_with(Checkpoint::open(&dir)?, &opts, &mut |_| {})?;
+                let secs = t.elapsed().as_secs_f64();
+                gbs.push(bytes as f64 / secs / 1e9);
+                last = Some(w.stats.clone());
+                drop(w);
+            }
+            let (med, min, max) = stats(&gbs);
+            let floor = if cache == "cold" { cold_floor } else { warm_floor };
+            let st = last.expect("at least one run");
+            rows.push(json!({
+                "cache": cache, "strategy": strategy.name(), "used": st.strategy, "fallback": st.fallback,
+                "gb_s": med, "min": min, "max": max, "floor_gb_s": floor, "ratio": med / floor,
+                "verified": st.verified, "verify_s": st.verify_s, "io_s": st.io_s, "plan_s": st.plan_s, "total_s": st.total_s,
+            }));
+        }
+    }
+    let out = json!({
+        "model": dir.display().to_string(), "bytes": bytes, "shards": files.len(), "runs": a.runs,
+        "chunk_size": a.chunk_size, "queue_depth": a.queue_depth, "evict": evict_method,
+        "floor_warm_memcpy_gb_s": warm_floor,
+        "floor_cold_direct_gb_s": cold_floors.iter().map(|(d, g)| json!({"depth": d, "gb_s": g})).collect::<Vec<_>>(),
+        "results": rows,
+    });
+    if a.json {
+        println!("{out}");
+        return Ok(());
+    }
+    println!("checkpoint {} ({:.2} GB in {} shard(s)), {} runs each, median (min–max)", dir.display(), bytes as f64 / 1e9, files.len(), a.runs);
+    println!("floor warm: memcpy {warm_floor:.2} GB/s");
+    if !cold_floors.is_empty() {
+        let d: Vec<String> = cold_floors.iter().map(|(d, g)| format!("qd{d} {g:.2}")).collect();
+        println!("floor cold: O_DIRECT 8 MiB reads {} GB/s (cache evicted with {evict_method})", d.join(", "));
+    }
+    println!("{:<6} {:<13} {:<13} {:>22} {:>9} {:>8}", "cache", "strategy", "used", "GB/s", "vs floor", "verify");
+    for r in out["results"].as_array().unwrap() {
+        println!(
+            "{:<6} {:<13} {:<13} {:>8.2} ({:.2}–{:.2}) {:>8.2}x {:>7.1}%",
+            r["cache"].as_str().unwrap(), r["strategy"].as_str().unwrap(), r["used"].as_str().unwrap(),
+            r["gb_s"].as_f64().unwrap(), r["min"].as_f64().unwrap(), r["max"].as_f64().unwrap(), r["ratio"].as_f64().unwrap(),
+            if r["verified"].as_bool().unwrap() { 100.0 * r["verify_s"].as_f64().unwrap() / r["total_s"].as_f64().unwrap() } else { 0.0 },
+        );
+    }
+    Ok(())
+}
+
+/// Reads the files once through the page cache so they are resident.
+fn warm(files: &[PathBuf]) -> Result<()> {
+    for f in files {
+        let mut file = File::open(f)?;
+        std::io::copy(&mut file, &mut std::io::sink())?;
+    }
+    Ok(())
+}
