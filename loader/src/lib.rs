@@ -24,6 +24,7 @@
 
 pub mod arena;
 pub mod checkpoint;
+pub mod dest;
 pub mod dtype;
 pub mod error;
 pub mod gguf;
@@ -35,6 +36,7 @@ pub mod safetensors;
 
 pub use arena::AlignedBuf;
 pub use checkpoint::{Checkpoint, TensorEntry};
+pub use dest::{Destination, HostArena};
 pub use dtype::Dtype;
 pub use error::LoadError;
 pub use host::{HostWeights, TensorView};

@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use crate::manifest::{hash, hashed_part, Manifest};
 use crate::plan::{Chunk, LoadPlan};
+use crate::dest::{Destination, HostArena};
 use crate::{AlignedBuf, Checkpoint, LoadError};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -194,14 +195,6 @@ pub fn resident_fraction(plan: &LoadPlan) -> f64 {
     }
 }
 
-/// A raw pointer into a shard arena, shared by I/O workers that write disjoint chunks.
-#[derive(Clone, Copy)]
-struct ArenaPtr(*mut u8);
-// SAFETY: every chunk covers a disjoint range of its arena; the arenas outlive the workers.
-unsafe impl Send for ArenaPtr {}
-// SAFETY: as above.
-unsafe impl Sync for ArenaPtr {}
-
 fn check_len(plan: &LoadPlan, c: &Chunk, got: u64) -> Result<(), LoadError> {
     let s = &plan.shards[c.shard];
     let need = (s.data_start + s.data_len).saturating_sub(c.file_off).min(c.len);
@@ -231,8 +224,16 @@ pub struct Loaded {
     pub stats: LoadStats,
 }
 
-/// Loads every shard of `ck` with `opts`, calling `progress` as chunks land.
-pub fn load(ck: &Checkpoint, opts: &LoadOptions, progress: &mut dyn FnMut(Progress)) -> Result<Loaded, LoadError> {
+/// Everything a strategy needs besides the destination.
+struct Job<'a> {
+    plan: LoadPlan,
+    expected: Option<Vec<String>>,
+    opts: &'a LoadOptions,
+    stats: LoadStats,
+    t0: Instant,
+}
+
+fn begin<'a>(ck: &Checkpoint, opts: &'a LoadOptions) -> Result<Job<'a>, LoadError> {
     let t0 = Instant::now();
     let manifest = match opts.verify {
         Verify::Off => None,
@@ -248,45 +249,84 @@ pub fn load(ck: &Checkpoint, opts: &LoadOptions, progress: &mut dyn FnMut(Progre
         None => None,
     };
     let resident = resident_fraction(&plan);
-    let mut stats = LoadStats { bytes: plan.total_bytes(), resident, verified: expected.is_some(), ..Default::default() };
-    let mut strategy = match opts.strategy {
-        // Resident: use the page cache in place — nothing to read, nothing to copy.
-        Strategy::Auto if resident >= 0.9 => Strategy::Mmap,
-        Strategy::Auto => Strategy::UringDirect,
-        s => s,
-    };
-    stats.plan_s = t0.elapsed().as_secs_f64();
-    let mut tracker = LayerTracker::new(&plan);
+    let stats = LoadStats { bytes: plan.total_bytes(), resident, verified: expected.is_some(), plan_s: t0.elapsed().as_secs_f64(), ..Default::default() };
+    Ok(Job { plan, expected, opts, stats, t0 })
+}
+
+/// Runs `strategy` (uring-direct or pread) into `dest`, falling back from uring-direct to pread
+/// when the system refuses it. Returns the strategy used.
+fn read_into(ck: &Checkpoint, job: &mut Job<'_>, mut strategy: Strategy, dest: &mut dyn Destination, progress: &mut dyn FnMut(Progress)) -> Result<Strategy, LoadError> {
+    dest.prepare(&job.plan)?;
     let t_io = Instant::now();
     let mut verify_time = Duration::ZERO;
-    let backing = loop {
+    loop {
+        let mut tracker = LayerTracker::new(&job.plan);
+        let expected = job.expected.as_deref();
         let r = match strategy {
-            Strategy::Mmap => load_mmap(&plan, expected.as_deref(), &mut tracker, progress, &mut verify_time),
-            Strategy::Pread => load_pread(&plan, opts.threads, expected.as_deref(), &mut tracker, progress, &mut verify_time),
-            _ => load_uring(&plan, opts, expected.as_deref(), &mut tracker, progress, &mut verify_time),
+            Strategy::Pread => load_pread(&job.plan, job.opts.threads, expected, &*dest, &mut tracker, progress, &mut verify_time),
+            _ => load_uring(&job.plan, job.opts, expected, &*dest, &mut tracker, progress, &mut verify_time),
         };
         match r {
-            Ok(b) => break b,
+            Ok(()) => break,
             Err(Refused(reason)) if strategy == Strategy::UringDirect => {
-                stats.fallback = Some(reason);
+                job.stats.fallback = Some(reason);
                 strategy = Strategy::Pread;
-                tracker = LayerTracker::new(&plan);
                 verify_time = Duration::ZERO;
             }
             Err(Refused(reason)) => return Err(LoadError::invalid(&ck.dir, reason)),
             Err(Failed(e)) => return Err(e),
         }
+    }
+    job.stats.verify_s = verify_time.as_secs_f64();
+    job.stats.io_s = t_io.elapsed().as_secs_f64() - job.stats.verify_s;
+    Ok(strategy)
+}
+
+fn finish(job: &mut Job<'_>, strategy: Strategy) {
+    job.stats.strategy = strategy.name().to_string();
+    job.stats.total_s = job.t0.elapsed().as_secs_f64();
+}
+
+/// Loads every shard of `ck` into host memory with `opts`, calling `progress` as chunks land.
+pub fn load(ck: &Checkpoint, opts: &LoadOptions, progress: &mut dyn FnMut(Progress)) -> Result<Loaded, LoadError> {
+    let mut job = begin(ck, opts)?;
+    let strategy = match opts.strategy {
+        // Resident: use the page cache in place — nothing to read, nothing to copy.
+        Strategy::Auto if job.stats.resident >= 0.9 => Strategy::Mmap,
+        Strategy::Auto => Strategy::UringDirect,
+        s => s,
     };
-    stats.strategy = strategy.name().to_string();
-    stats.verify_s = verify_time.as_secs_f64();
-    stats.io_s = t_io.elapsed().as_secs_f64() - stats.verify_s;
-    stats.total_s = t0.elapsed().as_secs_f64();
-    let data_offset = plan
-        .shards
-        .iter()
-        .map(|s| if strategy == Strategy::Mmap { s.data_start } else { s.data_offset() })
-        .collect();
-    Ok(Loaded { backing, data_offset, stats })
+    if strategy == Strategy::Mmap {
+        let t_io = Instant::now();
+        let mut verify_time = Duration::ZERO;
+        let mut tracker = LayerTracker::new(&job.plan);
+        let maps = match load_mmap(&job.plan, job.expected.as_deref(), &mut tracker, progress, &mut verify_time) {
+            Ok(m) => m,
+            Err(Failed(e)) => return Err(e),
+            Err(Refused(r)) => return Err(LoadError::invalid(&ck.dir, r)),
+        };
+        job.stats.verify_s = verify_time.as_secs_f64();
+        job.stats.io_s = t_io.elapsed().as_secs_f64() - job.stats.verify_s;
+        finish(&mut job, strategy);
+        let data_offset = job.plan.shards.iter().map(|s| s.data_start).collect();
+        return Ok(Loaded { backing: maps, data_offset, stats: job.stats });
+    }
+    let mut dest = HostArena::new();
+    let used = read_into(ck, &mut job, strategy, &mut dest, progress)?;
+    finish(&mut job, used);
+    let data_offset = job.plan.shards.iter().map(|s| s.data_offset()).collect();
+    Ok(Loaded { backing: dest.into_arenas().into_iter().map(Backing::Arena).collect(), data_offset, stats: job.stats })
+}
+
+/// Loads every shard of `ck` into any [`Destination`] (`mmap` and `auto` read with
+/// uring-direct here: there is no in-place use outside host memory). Returns the plan the
+/// destination was prepared with, and the stats.
+pub fn load_into(ck: &Checkpoint, opts: &LoadOptions, dest: &mut dyn Destination, progress: &mut dyn FnMut(Progress)) -> Result<(LoadPlan, LoadStats), LoadError> {
+    let mut job = begin(ck, opts)?;
+    let strategy = if opts.strategy == Strategy::Pread { Strategy::Pread } else { Strategy::UringDirect };
+    let used = read_into(ck, &mut job, strategy, dest, progress)?;
+    finish(&mut job, used);
+    Ok((job.plan, job.stats))
 }
 
 /// Why a strategy did not produce a load.
@@ -304,29 +344,26 @@ impl From<LoadError> for LoadFailure {
     }
 }
 
-fn arenas(plan: &LoadPlan) -> Vec<AlignedBuf> {
-    plan.shards.iter().map(|s| AlignedBuf::zeroed(s.aligned_len as usize)).collect()
-}
-
+#[allow(clippy::too_many_arguments)]
 fn load_pread(
     plan: &LoadPlan,
     threads: usize,
     expected: Option<&[String]>,
+    dest: &dyn Destination,
     tracker: &mut LayerTracker,
     progress: &mut dyn FnMut(Progress),
     verify_time: &mut Duration,
-) -> Result<Vec<Backing>, LoadFailure> {
+) -> Result<(), LoadFailure> {
     let files = plan
         .shards
         .iter()
         .map(|s| File::open(&s.path).map_err(|e| LoadError::io(&s.path, e)))
         .collect::<Result<Vec<_>, _>>()?;
-    let mut bufs = arenas(plan);
-    let ptrs: Vec<ArenaPtr> = bufs.iter_mut().map(|b| ArenaPtr(b.as_mut_slice().as_mut_ptr())).collect();
+    let threads = threads.clamp(1, dest.max_regions());
     let next = AtomicUsize::new(0);
     let landed: Mutex<(Vec<usize>, Option<LoadError>, Duration)> = Mutex::new((Vec::new(), None, Duration::ZERO));
     std::thread::scope(|scope| {
-        for _ in 0..threads.max(1) {
+        for _ in 0..threads {
             scope.spawn(|| loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 if i >= plan.chunks.len() || landed.lock().map(|l| l.1.is_some()).unwrap_or(true) {
@@ -335,34 +372,38 @@ fn load_pread(
                 let c = &plan.chunks[i];
                 let s = &plan.shards[c.shard];
                 let len = (c.len.min(s.file_len.saturating_sub(c.file_off))) as usize;
-                // SAFETY: chunk i covers [arena_off, arena_off + c.len) of its arena, disjoint
-                // from every other chunk; the arena is c.len bytes long at least there.
-                let buf = unsafe { std::slice::from_raw_parts_mut(ptrs[c.shard].0.add(c.arena_off(plan) as usize), len) };
+                dest.prefault(i, c);
+                let mut result = dest.region(i, c);
                 let mut got = 0usize;
-                let mut result = Ok(());
-                while got < len {
-                    match files[c.shard].read_at(&mut buf[got..], c.file_off + got as u64) {
-                        Ok(0) => break,
-                        Ok(n) => got += n,
-                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                        Err(e) => {
-                            result = Err(LoadError::io(&s.path, e));
-                            break;
+                let mut verify = Duration::ZERO;
+                if let Ok(ptr) = result {
+                    // SAFETY: the destination gives chunk i's region (c.len ≥ len bytes) to this
+                    // thread alone until `landed(i)`.
+                    let buf = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
+                    let mut r = Ok(());
+                    while got < len {
+                        match files[c.shard].read_at(&mut buf[got..], c.file_off + got as u64) {
+                            Ok(0) => break,
+                            Ok(n) => got += n,
+                            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                            Err(e) => {
+                                r = Err(LoadError::io(&s.path, e));
+                                break;
+                            }
                         }
                     }
-                }
-                let t = Instant::now();
-                let result = result
-                    .and_then(|_| check_len(plan, c, got as u64))
-                    .and_then(|_| match expected {
+                    let t = Instant::now();
+                    r = r.and_then(|_| check_len(plan, c, got as u64)).and_then(|_| match expected {
                         Some(h) => verify_chunk(plan, c, buf, &h[i]),
                         None => Ok(()),
                     });
-                let dt = t.elapsed();
+                    verify = t.elapsed();
+                    result = r.and_then(|_| dest.landed(i, c, got as u64)).map(|_| ptr);
+                }
                 let mut l = landed.lock().unwrap_or_else(|e| e.into_inner());
-                l.2 += dt;
+                l.2 += verify;
                 match result {
-                    Ok(()) => l.0.push(i),
+                    Ok(_) => l.0.push(i),
                     Err(e) => {
                         l.1.get_or_insert(e);
                     }
@@ -387,11 +428,11 @@ fn load_pread(
         }
     });
     let (_, err, vt) = landed.into_inner().unwrap_or_else(|e| e.into_inner());
-    *verify_time = vt / threads.max(1) as u32;
-    if let Some(e) = err {
-        return Err(Failed(e));
+    *verify_time = vt / threads as u32;
+    match err {
+        Some(e) => Err(Failed(e)),
+        None => Ok(()),
     }
-    Ok(bufs.into_iter().map(Backing::Arena).collect())
 }
 
 fn load_mmap(
@@ -448,14 +489,26 @@ fn load_mmap(
     Ok(maps.into_iter().map(Backing::Map).collect())
 }
 
+/// A region pointer handed between the submitting thread and the helper.
+#[derive(Clone, Copy)]
+struct RegionPtr(*mut u8);
+// SAFETY: a region belongs to exactly one chunk, and the chunk to one thread at a time (the
+// submitter until its read completes, then the hashing helper until its verdict is sent).
+unsafe impl Send for RegionPtr {}
+
+/// Sends completed chunks (index, region, bytes) to the hashing helper; receives verdicts.
+type Verifier = (std::sync::mpsc::Sender<(usize, RegionPtr, u64)>, std::sync::mpsc::Receiver<(usize, Result<(), LoadError>, Duration)>);
+
+#[allow(clippy::too_many_arguments)]
 fn load_uring(
     plan: &LoadPlan,
     opts: &LoadOptions,
     expected: Option<&[String]>,
+    dest: &dyn Destination,
     tracker: &mut LayerTracker,
     progress: &mut dyn FnMut(Progress),
     verify_time: &mut Duration,
-) -> Result<Vec<Backing>, LoadFailure> {
+) -> Result<(), LoadFailure> {
     use io_uring::IoUring;
 
     let mut files = Vec::with_capacity(plan.shards.len());
@@ -468,48 +521,35 @@ fn load_uring(
             Err(e) => return Err(Failed(LoadError::io(&s.path, e))),
         }
     }
-    let depth = opts.queue_depth.clamp(1, 256);
-    // Probe io_uring before spending anything on arenas.
+    let depth = opts.queue_depth.clamp(1, 256).min(dest.max_regions());
+    // Probe io_uring before anything else.
     drop(IoUring::new(depth as u32).map_err(|e| Refused(format!("io_uring unavailable ({e})")))?);
-    let mut bufs = arenas(plan);
-    let ptrs: Vec<*mut u8> = bufs.iter_mut().map(|b| b.as_mut_slice().as_mut_ptr()).collect();
-    // Fresh arena pages must be faulted in (and zeroed by the kernel) before data can land in
-    // them; done inside the read that is ~25% of a cold load. A helper thread faults chunks in
-    // plan order ahead of the reads, so that work overlaps the disk instead of adding to it. A
-    // chunk is submitted only after the helper has finished with it (the helper writes zeros
-    // into pages that are already zero, which must not race with the DMA).
+    // A helper thread runs ahead of the reads calling `prefault` in plan order (for the host
+    // arena: fresh huge pages are faulted and zeroed there, overlapping the disk instead of
+    // adding to each read — ~25% of a cold load otherwise); a chunk is submitted only once the
+    // helper is past it. Then the helper verifies landed chunks: hashing on the thread that
+    // reaps completions would delay resubmission and starve the queue.
     let prefaulted = AtomicUsize::new(0);
     let stop = std::sync::atomic::AtomicBool::new(false);
-    let arena_ptrs: Vec<ArenaPtr> = ptrs.iter().map(|&p| ArenaPtr(p)).collect();
-    // Verification also runs on the helper, once it has faulted everything: hashing on the
-    // thread that reaps completions would delay resubmission and starve the queue.
-    let (job_tx, job_rx) = std::sync::mpsc::channel::<(usize, u64)>();
+    let (job_tx, job_rx) = std::sync::mpsc::channel::<(usize, RegionPtr, u64)>();
     let (done_tx, done_rx) = std::sync::mpsc::channel::<(usize, Result<(), LoadError>, Duration)>();
     std::thread::scope(|scope| {
-        let arena_ptrs = &arena_ptrs;
         let (prefaulted, stop) = (&prefaulted, &stop);
         scope.spawn(move || {
             for (i, c) in plan.chunks.iter().enumerate() {
                 if stop.load(Ordering::Relaxed) {
                     break;
                 }
-                let base = arena_ptrs[c.shard].0;
-                let (a, b) = (c.arena_off(plan) as usize, (c.arena_off(plan) + c.len) as usize);
-                let mut at = a;
-                while at < b {
-                    // SAFETY: `at` is inside chunk i's range of its arena, which no read targets
-                    // until `prefaulted` passes i (Release below, Acquire in the submitter).
-                    unsafe { std::ptr::write_volatile(base.add(at), 0u8) };
-                    at = (at / PREFAULT_STEP + 1) * PREFAULT_STEP;
-                }
+                dest.prefault(i, c);
                 prefaulted.store(i + 1, Ordering::Release);
             }
             let Some(h) = expected else { return };
-            for (i, got) in job_rx {
+            for (i, ptr, got) in job_rx {
                 let c = &plan.chunks[i];
                 let t = Instant::now();
-                // SAFETY: chunk i's read completed before its job was sent; nothing writes it now.
-                let buf = unsafe { std::slice::from_raw_parts(arena_ptrs[c.shard].0.add(c.arena_off(plan) as usize), got as usize) };
+                // SAFETY: chunk i's read completed before its job was sent; nothing writes the
+                // region until its verdict is back and `landed` has run.
+                let buf = unsafe { std::slice::from_raw_parts(ptr.0, got as usize) };
                 let r = verify_chunk(plan, c, buf, &h[i]);
                 if done_tx.send((i, r, t.elapsed())).is_err() {
                     break;
@@ -517,25 +557,43 @@ fn load_uring(
             }
         });
         let verifier = expected.map(|_| (job_tx, done_rx));
-        let r = uring_reads(plan, &files, depth, &ptrs, &prefaulted, verifier, tracker, progress, verify_time);
+        let r = uring_reads(plan, &files, depth, dest, prefaulted, verifier, tracker, progress, verify_time);
         stop.store(true, Ordering::Relaxed);
         r
-    })?;
-    Ok(bufs.into_iter().map(Backing::Arena).collect())
+    })
 }
 
-/// Sends completed chunks (index, bytes) to the hashing thread; receives verdicts.
-type Verifier = (std::sync::mpsc::Sender<(usize, u64)>, std::sync::mpsc::Receiver<(usize, Result<(), LoadError>, Duration)>);
-
-/// Faulting one byte per huge page faults the whole page.
-const PREFAULT_STEP: usize = 2 << 20;
+/// Applies the hashing helper's verdict on chunk `i`: landed (and reported) or the load's failure.
+#[allow(clippy::too_many_arguments)]
+fn take_verdict(
+    plan: &LoadPlan,
+    (i, r, dt): (usize, Result<(), LoadError>, Duration),
+    got: &[u64],
+    dest: &dyn Destination,
+    landed: &mut usize,
+    verify_time: &mut Duration,
+    failure: &mut Option<LoadFailure>,
+    tracker: &mut LayerTracker,
+    progress: &mut dyn FnMut(Progress),
+) {
+    *verify_time += dt;
+    match r.and_then(|_| dest.landed(i, &plan.chunks[i], got[i])) {
+        Ok(()) => {
+            *landed += 1;
+            progress(tracker.land(plan, &plan.chunks[i]));
+        }
+        Err(e) => {
+            failure.get_or_insert(Failed(e));
+        }
+    }
+}
 
 #[allow(clippy::too_many_arguments)]
 fn uring_reads(
     plan: &LoadPlan,
     files: &[File],
     depth: usize,
-    ptrs: &[*mut u8],
+    dest: &dyn Destination,
     prefaulted: &AtomicUsize,
     verifier: Option<Verifier>,
     tracker: &mut LayerTracker,
@@ -544,18 +602,15 @@ fn uring_reads(
 ) -> Result<(), LoadFailure> {
     use io_uring::{opcode, types, IoUring};
     let mut ring = IoUring::new(depth as u32).map_err(|e| Refused(format!("io_uring unavailable ({e})")))?;
-    // Per chunk: bytes read so far (reads can come back short and are resubmitted).
+    // Per chunk: its region and the bytes read so far (short reads are resubmitted).
+    let mut region: Vec<*mut u8> = vec![std::ptr::null_mut(); plan.chunks.len()];
     let mut got = vec![0u64; plan.chunks.len()];
-    let mut next = 0usize;
-    let mut in_flight = 0usize;
-    let mut landed = 0usize;
-    let mut hashing = 0usize;
-    let submit = |ring: &mut IoUring, i: usize, got: u64| -> Result<(), LoadFailure> {
+    let (mut next, mut in_flight, mut landed, mut hashing) = (0usize, 0usize, 0usize, 0usize);
+    let submit = |ring: &mut IoUring, i: usize, ptr: *mut u8, got: u64| -> Result<(), LoadFailure> {
         let c = &plan.chunks[i];
-        // SAFETY: the target range lies inside chunk i's part of its arena (disjoint from every
-        // other chunk's) and the arena outlives the ring's use of it (we drain before returning).
-        let ptr = unsafe { ptrs[c.shard].add((c.arena_off(plan) + got) as usize) };
-        let sqe = opcode::Read::new(types::Fd(files[c.shard].as_raw_fd()), ptr, (c.len - got) as u32)
+        // SAFETY: `ptr` + `got` stays inside chunk i's region (c.len bytes), which the
+        // destination gave to us alone; we drain the ring before returning.
+        let sqe = opcode::Read::new(types::Fd(files[c.shard].as_raw_fd()), unsafe { ptr.add(got as usize) }, (c.len - got) as u32)
             .offset(c.file_off + got)
             .build()
             .user_data(i as u64);
@@ -565,7 +620,9 @@ fn uring_reads(
     };
     let mut failure: Option<LoadFailure> = None;
     while landed < plan.chunks.len() {
-        while failure.is_none() && in_flight < depth && next < plan.chunks.len() {
+        // Regions are held from submission until landed (through hashing), so they count
+        // against the destination's cap separately from reads in flight.
+        while failure.is_none() && in_flight < depth && in_flight + hashing < dest.max_regions() && next < plan.chunks.len() {
             if prefaulted.load(Ordering::Acquire) <= next {
                 if in_flight > 0 {
                     break; // reap completions meanwhile
@@ -573,25 +630,23 @@ fn uring_reads(
                 std::thread::yield_now();
                 continue;
             }
-            submit(&mut ring, next, 0)?;
+            match dest.region(next, &plan.chunks[next]) {
+                Ok(p) => region[next] = p,
+                Err(e) => {
+                    failure = Some(Failed(e));
+                    break;
+                }
+            }
+            submit(&mut ring, next, region[next], 0)?;
             next += 1;
             in_flight += 1;
         }
         if in_flight == 0 {
             // Only verdicts are outstanding: wait for the next one.
             if let (Some((_, rx)), true) = (&verifier, hashing > 0 && failure.is_none()) {
-                let Ok((i, r, dt)) = rx.recv() else { break };
+                let Ok(v) = rx.recv() else { break };
                 hashing -= 1;
-                *verify_time += dt;
-                match r {
-                    Ok(()) => {
-                        landed += 1;
-                        progress(tracker.land(plan, &plan.chunks[i]));
-                    }
-                    Err(e) => {
-                        failure.get_or_insert(Failed(e));
-                    }
-                }
+                take_verdict(plan, v, &got, dest, &mut landed, verify_time, &mut failure, tracker, progress);
                 continue;
             }
             break;
@@ -621,7 +676,7 @@ fn uring_reads(
             let at_eof = res == 0 || c.file_off + got[i] >= s.file_len;
             if got[i] < c.len && !at_eof && failure.is_none() {
                 // Short read mid-file: ask for the rest.
-                submit(&mut ring, i, got[i])?;
+                submit(&mut ring, i, region[i], got[i])?;
                 in_flight += 1;
                 continue;
             }
@@ -634,29 +689,17 @@ fn uring_reads(
             }
             match &verifier {
                 Some((tx, _)) => {
-                    let _ = tx.send((i, got[i]));
+                    let _ = tx.send((i, RegionPtr(region[i]), got[i]));
                     hashing += 1;
                 }
-                None => {
-                    landed += 1;
-                    progress(tracker.land(plan, c));
-                }
+                None => take_verdict(plan, (i, Ok(()), Duration::ZERO), &got, dest, &mut landed, verify_time, &mut failure, tracker, progress),
             }
         }
         if let Some((_, rx)) = &verifier {
             // Collect the verdicts that are ready.
-            while let Ok((i, r, dt)) = rx.try_recv() {
+            while let Ok(v) = rx.try_recv() {
                 hashing -= 1;
-                *verify_time += dt;
-                match r {
-                    Ok(()) => {
-                        landed += 1;
-                        progress(tracker.land(plan, &plan.chunks[i]));
-                    }
-                    Err(e) => {
-                        failure.get_or_insert(Failed(e));
-                    }
-                }
+                take_verdict(plan, v, &got, dest, &mut landed, verify_time, &mut failure, tracker, progress);
             }
         }
         if failure.is_some() && in_flight == 0 {
