@@ -34,6 +34,29 @@ pub struct LoadArgs {
     verify: String,
     #[arg(long)]
     json: bool,
+    /// Also time Python `safetensors.numpy.load_file` on the same files (needs `pip install
+    /// safetensors numpy`; numpy has no bfloat16, so use an f16/f32 checkpoint).
+    #[arg(long)]
+    peer_python: bool,
+}
+
+const PY_PEER: &str = r#"
+import sys, time
+from safetensors.numpy import load_file
+t = time.perf_counter()
+n = 0
+for f in sys.argv[1:]:
+    d = load_file(f)
+    n += sum(v.nbytes for v in d.values())
+print(time.perf_counter() - t, n)
+"#;
+
+/// Seconds Python's safetensors takes to load `files` (timed inside the interpreter).
+fn python_load(files: &[PathBuf]) -> Result<f64> {
+    let out = std::process::Command::new("python3").arg("-c").arg(PY_PEER).args(files).output()?;
+    anyhow::ensure!(out.status.success(), "python safetensors failed: {}", String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or(""));
+    let text = String::from_utf8_lossy(&out.stdout);
+    Ok(text.split_whitespace().next().context("no timing from python")?.parse()?)
 }
 
 /// Drops the files' pages from the page cache: the whole cache where permitted, else each file's
@@ -166,7 +189,26 @@ pub fn run(a: LoadArgs) -> Result<()> {
             }));
         }
     }
+    let mut peers = Vec::new();
+    if a.peer_python {
+        for cache in &a.cache {
+            let mut gbs = Vec::new();
+            for _ in 0..a.runs {
+                if cache == "cold" {
+                    evict(&files);
+                } else {
+                    warm(&files)?;
+                }
+                gbs.push(bytes as f64 / python_load(&files)? / 1e9);
+            }
+            let (med, min, max) = stats(&gbs);
+            let ours = rows.iter().find(|r| r["cache"] == cache.as_str() && r["strategy"] == "auto").and_then(|r| r["gb_s"].as_f64());
+            peers.push(json!({"peer": "python safetensors.numpy.load_file", "cache": cache, "gb_s": med, "min": min, "max": max,
+                "ours_auto_vs_peer": ours.map(|o| o / med)}));
+        }
+    }
     let out = json!({
+        "peers": peers,
         "model": dir.display().to_string(), "bytes": bytes, "shards": files.len(), "runs": a.runs,
         "chunk_size": a.chunk_size, "queue_depth": a.queue_depth, "evict": evict_method,
         "floor_warm_memcpy_gb_s": warm_floor,
@@ -190,6 +232,13 @@ pub fn run(a: LoadArgs) -> Result<()> {
             r["cache"].as_str().unwrap(), r["strategy"].as_str().unwrap(), r["used"].as_str().unwrap(),
             r["gb_s"].as_f64().unwrap(), r["min"].as_f64().unwrap(), r["max"].as_f64().unwrap(), r["ratio"].as_f64().unwrap(),
             if r["verified"].as_bool().unwrap() { 100.0 * r["verify_s"].as_f64().unwrap() / r["total_s"].as_f64().unwrap() } else { 0.0 },
+        );
+    }
+    for p in out["peers"].as_array().unwrap() {
+        println!(
+            "peer {} ({}): {:.2} GB/s ({:.2}–{:.2}); thaw auto = {}",
+            p["peer"].as_str().unwrap(), p["cache"].as_str().unwrap(), p["gb_s"].as_f64().unwrap(), p["min"].as_f64().unwrap(), p["max"].as_f64().unwrap(),
+            p["ours_auto_vs_peer"].as_f64().map(|r| format!("{r:.2}x")).unwrap_or("(auto not measured)".into())
         );
     }
     Ok(())
