@@ -35,29 +35,64 @@ pub struct DecodeArgs {
 
 /// Runs llama-bench (batch-1 decode of `gen` tokens, prefill of each `prompts`) with the same
 /// thread count; returns (label, decode tokens/s, [(prompt, prefill tokens/s)]).
-fn llama_bench(bin: &std::path::Path, gguf: &std::path::Path, threads: usize, gen: usize, prompts: &[usize], runs: usize) -> Result<(String, f64, Vec<(usize, f64)>)> {
+fn llama_bench(
+    bin: &std::path::Path,
+    gguf: &std::path::Path,
+    threads: usize,
+    gen: usize,
+    prompts: &[usize],
+    runs: usize,
+) -> Result<(String, f64, Vec<(usize, f64)>)> {
     let p: Vec<String> = prompts.iter().map(|p| p.to_string()).collect();
     let mut cmd = std::process::Command::new(bin);
     // scripts/build-llama-cpp.sh installs the shared libraries beside bin/ in lib/.
-    if let Some(lib) = bin.parent().and_then(|b| b.parent()).map(|p| p.join("lib")).filter(|l| l.is_dir()) {
+    if let Some(lib) = bin
+        .parent()
+        .and_then(|b| b.parent())
+        .map(|p| p.join("lib"))
+        .filter(|l| l.is_dir())
+    {
         cmd.env("LD_LIBRARY_PATH", lib);
     }
     let out = cmd
-        .args(["-m", &gguf.display().to_string(), "-t", &threads.to_string(), "-n", &gen.to_string(), "-p", &p.join(","), "-r", &runs.to_string(), "-o", "json"])
+        .args([
+            "-m",
+            &gguf.display().to_string(),
+            "-t",
+            &threads.to_string(),
+            "-n",
+            &gen.to_string(),
+            "-p",
+            &p.join(","),
+            "-r",
+            &runs.to_string(),
+            "-o",
+            "json",
+        ])
         .output()?;
-    anyhow::ensure!(out.status.success(), "llama-bench failed: {}", String::from_utf8_lossy(&out.stderr));
+    anyhow::ensure!(
+        out.status.success(),
+        "llama-bench failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout)?;
     let mut decode = 0.0;
     let mut prefill = vec![];
     for r in &rows {
         let ts = r["avg_ts"].as_f64().unwrap_or(0.0);
-        match (r["n_prompt"].as_u64().unwrap_or(0), r["n_gen"].as_u64().unwrap_or(0)) {
+        match (
+            r["n_prompt"].as_u64().unwrap_or(0),
+            r["n_gen"].as_u64().unwrap_or(0),
+        ) {
             (0, _) => decode = ts,
             (np, 0) => prefill.push((np as usize, ts)),
             _ => {}
         }
     }
-    let label = gguf.file_name().map(|f| f.to_string_lossy().to_string()).unwrap_or_default();
+    let label = gguf
+        .file_name()
+        .map(|f| f.to_string_lossy().to_string())
+        .unwrap_or_default();
     Ok((label, decode, prefill))
 }
 
@@ -114,7 +149,8 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     let mut peers = Vec::new();
     if let Some(bin) = &a.peer_llama_bench {
         for g in &a.peer_gguf {
-            let (label, dec, pre) = llama_bench(bin, g, pool.threads(), a.tokens, &a.prefill, a.runs)?;
+            let (label, dec, pre) =
+                llama_bench(bin, g, pool.threads(), a.tokens, &a.prefill, a.runs)?;
             peers.push(json!({"peer": format!("llama.cpp {label}"), "decode_tokens_per_s": dec,
                 "ours_vs_peer_decode": d_med / dec,
                 "prefill": pre.iter().map(|(n, t)| json!({"tokens": n, "tokens_per_s": t})).collect::<Vec<_>>()}));
@@ -138,7 +174,13 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     if a.json {
         println!("{out}");
     } else {
-        println!("model            {} ({}, {} threads, {})", out["model"].as_str().unwrap_or(""), model.weight_dtype, pool.threads(), Isa::detect().name());
+        println!(
+            "model            {} ({}, {} threads, {})",
+            out["model"].as_str().unwrap_or(""),
+            model.weight_dtype,
+            pool.threads(),
+            Isa::detect().name()
+        );
         println!("read bandwidth   {bw:.1} GB/s (best of 5, 1 GiB)");
         println!("bytes per token  {:.1} MB", per_token / 1e6);
         println!("roofline         {roofline:.1} tokens/s");
@@ -146,14 +188,34 @@ pub fn run(a: DecodeArgs) -> Result<()> {
         for p in out["prefill"].as_array().unwrap() {
             println!(
                 "prefill {:>4}     {:.1} tokens/s (min {:.1}, max {:.1})",
-                p["tokens"], p["tokens_per_s"].as_f64().unwrap(), p["min"].as_f64().unwrap(), p["max"].as_f64().unwrap()
+                p["tokens"],
+                p["tokens_per_s"].as_f64().unwrap(),
+                p["min"].as_f64().unwrap(),
+                p["max"].as_f64().unwrap()
             );
         }
         for p in out["peers"].as_array().unwrap() {
-            println!("{}: decode {:.1} tokens/s (ours = {:.2}x)", p["peer"].as_str().unwrap(), p["decode_tokens_per_s"].as_f64().unwrap(), p["ours_vs_peer_decode"].as_f64().unwrap());
-            for (pp, ours) in p["prefill"].as_array().unwrap().iter().zip(out["prefill"].as_array().unwrap()) {
-                let (t, o) = (pp["tokens_per_s"].as_f64().unwrap(), ours["tokens_per_s"].as_f64().unwrap());
-                println!("  prefill {:>4}  {t:.1} tokens/s (ours = {:.2}x)", pp["tokens"], o / t);
+            println!(
+                "{}: decode {:.1} tokens/s (ours = {:.2}x)",
+                p["peer"].as_str().unwrap(),
+                p["decode_tokens_per_s"].as_f64().unwrap(),
+                p["ours_vs_peer_decode"].as_f64().unwrap()
+            );
+            for (pp, ours) in p["prefill"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .zip(out["prefill"].as_array().unwrap())
+            {
+                let (t, o) = (
+                    pp["tokens_per_s"].as_f64().unwrap(),
+                    ours["tokens_per_s"].as_f64().unwrap(),
+                );
+                println!(
+                    "  prefill {:>4}  {t:.1} tokens/s (ours = {:.2}x)",
+                    pp["tokens"],
+                    o / t
+                );
             }
         }
     }

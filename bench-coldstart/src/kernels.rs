@@ -19,7 +19,12 @@ pub struct KernelArgs {
 pub fn run(a: KernelArgs) -> Result<()> {
     let pool = ThreadPool::global();
     let bw = membw::read_bandwidth(pool, 1 << 30, 5);
-    println!("read bandwidth {bw:.1} GB/s; isa {}; {} threads; {} token(s) per call", Isa::detect().name(), pool.threads(), a.tokens);
+    println!(
+        "read bandwidth {bw:.1} GB/s; isa {}; {} threads; {} token(s) per call",
+        Isa::detect().name(),
+        pool.threads(),
+        a.tokens
+    );
     for &(rows, k) in &[(49152usize, 576usize), (1536, 576), (576, 1536), (576, 576)] {
         // Enough copies that the working set (~512 MiB) is far beyond the caches.
         let bytes = rows * k * 2;
@@ -36,12 +41,20 @@ pub fn run(a: KernelArgs) -> Result<()> {
         let t = Instant::now();
         for r in 0..reps {
             let c = r % copies;
-            let m = Matrix::new(Weights::Bf16(&words[c * rows * k..(c + 1) * rows * k]), rows, k);
+            let m = Matrix::new(
+                Weights::Bf16(&words[c * rows * k..(c + 1) * rows * k]),
+                rows,
+                k,
+            );
             matmul(pool, &x, a.tokens, &mut [(m, &mut out)]);
         }
         let dt = t.elapsed().as_secs_f64();
         let gbs = (reps * bytes) as f64 / dt / 1e9;
-        println!("bf16 {rows:>5} x {k:<5} {gbs:6.1} GB/s = {:.2} of read bandwidth, {:8.1} us/call", gbs / bw, dt / reps as f64 * 1e6);
+        println!(
+            "bf16 {rows:>5} x {k:<5} {gbs:6.1} GB/s = {:.2} of read bandwidth, {:8.1} us/call",
+            gbs / bw,
+            dt / reps as f64 * 1e6
+        );
     }
     Ok(())
 }

@@ -18,7 +18,11 @@ use crate::stats;
 pub struct LoadArgs {
     #[arg(long, default_value = "default")]
     model: String,
-    #[arg(long, value_delimiter = ',', default_value = "uring-direct,pread,mmap,auto")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "uring-direct,pread,mmap,auto"
+    )]
     strategies: Vec<Strategy>,
     /// Page-cache states to measure: warm, cold.
     #[arg(long, value_delimiter = ',', default_value = "warm,cold")]
@@ -53,10 +57,25 @@ print(time.perf_counter() - t, n)
 
 /// Seconds Python's safetensors takes to load `files` (timed inside the interpreter).
 fn python_load(files: &[PathBuf]) -> Result<f64> {
-    let out = std::process::Command::new("python3").arg("-c").arg(PY_PEER).args(files).output()?;
-    anyhow::ensure!(out.status.success(), "python safetensors failed: {}", String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or(""));
+    let out = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(PY_PEER)
+        .args(files)
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "python safetensors failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+            .lines()
+            .last()
+            .unwrap_or("")
+    );
     let text = String::from_utf8_lossy(&out.stdout);
-    Ok(text.split_whitespace().next().context("no timing from python")?.parse()?)
+    Ok(text
+        .split_whitespace()
+        .next()
+        .context("no timing from python")?
+        .parse()?)
 }
 
 /// Drops the files' pages from the page cache: the whole cache where permitted, else each file's
@@ -104,7 +123,9 @@ fn direct_floor(files: &[PathBuf], block: usize) -> Result<Vec<(usize, f64)>> {
     use io_uring::{opcode, types, IoUring};
     let mut out = Vec::new();
     for depth in [1usize, 4, 16, 32] {
-        let mut bufs: Vec<thaw_loader::AlignedBuf> = (0..depth).map(|_| thaw_loader::AlignedBuf::zeroed(block)).collect();
+        let mut bufs: Vec<thaw_loader::AlignedBuf> = (0..depth)
+            .map(|_| thaw_loader::AlignedBuf::zeroed(block))
+            .collect();
         for b in &mut bufs {
             b.as_mut_slice().fill(1);
         }
@@ -113,7 +134,11 @@ fn direct_floor(files: &[PathBuf], block: usize) -> Result<Vec<(usize, f64)>> {
         let mut total = 0u64;
         let budget = 2u64 << 30;
         'files: for f in files {
-            let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(f).with_context(|| format!("O_DIRECT open {}", f.display()))?;
+            let file = std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(f)
+                .with_context(|| format!("O_DIRECT open {}", f.display()))?;
             let len = file.metadata()?.len();
             let mut off = 0u64;
             let mut free: Vec<usize> = (0..depth).collect();
@@ -122,7 +147,10 @@ fn direct_floor(files: &[PathBuf], block: usize) -> Result<Vec<(usize, f64)>> {
                 while off < len && total < budget {
                     let Some(b) = free.pop() else { break };
                     let ptr = bufs[b].as_mut_slice().as_mut_ptr();
-                    let e = opcode::Read::new(types::Fd(file.as_raw_fd()), ptr, block as u32).offset(off).build().user_data(b as u64);
+                    let e = opcode::Read::new(types::Fd(file.as_raw_fd()), ptr, block as u32)
+                        .offset(off)
+                        .build()
+                        .user_data(b as u64);
                     // SAFETY: buffer b is ours until its completion is reaped below.
                     unsafe { ring.submission().push(&e).expect("queue sized to depth") };
                     off += block as u64;
@@ -133,9 +161,17 @@ fn direct_floor(files: &[PathBuf], block: usize) -> Result<Vec<(usize, f64)>> {
                     break;
                 }
                 ring.submit_and_wait(1)?;
-                let done: Vec<(u64, i32)> = ring.completion().map(|c| (c.user_data(), c.result())).collect();
+                let done: Vec<(u64, i32)> = ring
+                    .completion()
+                    .map(|c| (c.user_data(), c.result()))
+                    .collect();
                 for (b, res) in done {
-                    anyhow::ensure!(res >= 0, "O_DIRECT read of {} failed: {}", f.display(), std::io::Error::from_raw_os_error(-res));
+                    anyhow::ensure!(
+                        res >= 0,
+                        "O_DIRECT read of {} failed: {}",
+                        f.display(),
+                        std::io::Error::from_raw_os_error(-res)
+                    );
                     free.push(b as usize);
                     inflight -= 1;
                 }
@@ -155,10 +191,18 @@ pub fn run(a: LoadArgs) -> Result<()> {
     let files: Vec<PathBuf> = ck.shards.iter().map(|s| s.path.clone()).collect();
     let plan = LoadPlan::new(&ck, a.chunk_size);
     let bytes = plan.total_bytes();
-    let verify = if a.verify == "off" { Verify::Off } else { Verify::Auto };
+    let verify = if a.verify == "off" {
+        Verify::Off
+    } else {
+        Verify::Auto
+    };
     let mut rows = Vec::new();
     let warm_floor = memcpy_floor(bytes);
-    let cold_floors = if a.cache.iter().any(|c| c == "cold") { direct_floor(&files, 8 << 20)? } else { vec![] };
+    let cold_floors = if a.cache.iter().any(|c| c == "cold") {
+        direct_floor(&files, 8 << 20)?
+    } else {
+        vec![]
+    };
     let cold_floor = cold_floors.iter().map(|x| x.1).fold(0.0, f64::max);
     let mut evict_method = "";
     for cache in &a.cache {
@@ -171,7 +215,13 @@ pub fn run(a: LoadArgs) -> Result<()> {
                 } else {
                     warm(&files)?;
                 }
-                let opts = LoadOptions { strategy, chunk_size: a.chunk_size, queue_depth: a.queue_depth, verify, ..LoadOptions::default() };
+                let opts = LoadOptions {
+                    strategy,
+                    chunk_size: a.chunk_size,
+                    queue_depth: a.queue_depth,
+                    verify,
+                    ..LoadOptions::default()
+                };
                 let t = Instant::now();
                 let w = HostWeights::load_with(Checkpoint::open(&dir)?, &opts, &mut |_| {})?;
                 let secs = t.elapsed().as_secs_f64();
@@ -180,7 +230,11 @@ pub fn run(a: LoadArgs) -> Result<()> {
                 drop(w);
             }
             let (med, min, max) = stats(&gbs);
-            let floor = if cache == "cold" { cold_floor } else { warm_floor };
+            let floor = if cache == "cold" {
+                cold_floor
+            } else {
+                warm_floor
+            };
             let st = last.expect("at least one run");
             rows.push(json!({
                 "cache": cache, "strategy": strategy.name(), "used": st.strategy, "fallback": st.fallback,
@@ -202,7 +256,10 @@ pub fn run(a: LoadArgs) -> Result<()> {
                 gbs.push(bytes as f64 / python_load(&files)? / 1e9);
             }
             let (med, min, max) = stats(&gbs);
-            let ours = rows.iter().find(|r| r["cache"] == cache.as_str() && r["strategy"] == "auto").and_then(|r| r["gb_s"].as_f64());
+            let ours = rows
+                .iter()
+                .find(|r| r["cache"] == cache.as_str() && r["strategy"] == "auto")
+                .and_then(|r| r["gb_s"].as_f64());
             peers.push(json!({"peer": "python safetensors.numpy.load_file", "cache": cache, "gb_s": med, "min": min, "max": max,
                 "ours_auto_vs_peer": ours.map(|o| o / med)}));
         }
@@ -219,26 +276,57 @@ pub fn run(a: LoadArgs) -> Result<()> {
         println!("{out}");
         return Ok(());
     }
-    println!("checkpoint {} ({:.2} GB in {} shard(s)), {} runs each, median (min–max)", dir.display(), bytes as f64 / 1e9, files.len(), a.runs);
+    println!(
+        "checkpoint {} ({:.2} GB in {} shard(s)), {} runs each, median (min–max)",
+        dir.display(),
+        bytes as f64 / 1e9,
+        files.len(),
+        a.runs
+    );
     println!("floor warm: memcpy {warm_floor:.2} GB/s");
     if !cold_floors.is_empty() {
-        let d: Vec<String> = cold_floors.iter().map(|(d, g)| format!("qd{d} {g:.2}")).collect();
-        println!("floor cold: O_DIRECT 8 MiB reads {} GB/s (cache evicted with {evict_method})", d.join(", "));
+        let d: Vec<String> = cold_floors
+            .iter()
+            .map(|(d, g)| format!("qd{d} {g:.2}"))
+            .collect();
+        println!(
+            "floor cold: O_DIRECT 8 MiB reads {} GB/s (cache evicted with {evict_method})",
+            d.join(", ")
+        );
     }
-    println!("{:<6} {:<13} {:<13} {:>22} {:>9} {:>8}", "cache", "strategy", "used", "GB/s", "vs floor", "verify");
+    println!(
+        "{:<6} {:<13} {:<13} {:>22} {:>9} {:>8}",
+        "cache", "strategy", "used", "GB/s", "vs floor", "verify"
+    );
     for r in out["results"].as_array().unwrap() {
         println!(
             "{:<6} {:<13} {:<13} {:>8.2} ({:.2}–{:.2}) {:>8.2}x {:>7.1}%",
-            r["cache"].as_str().unwrap(), r["strategy"].as_str().unwrap(), r["used"].as_str().unwrap(),
-            r["gb_s"].as_f64().unwrap(), r["min"].as_f64().unwrap(), r["max"].as_f64().unwrap(), r["ratio"].as_f64().unwrap(),
-            if r["verified"].as_bool().unwrap() { 100.0 * r["verify_s"].as_f64().unwrap() / r["total_s"].as_f64().unwrap() } else { 0.0 },
+            r["cache"].as_str().unwrap(),
+            r["strategy"].as_str().unwrap(),
+            r["used"].as_str().unwrap(),
+            r["gb_s"].as_f64().unwrap(),
+            r["min"].as_f64().unwrap(),
+            r["max"].as_f64().unwrap(),
+            r["ratio"].as_f64().unwrap(),
+            if r["verified"].as_bool().unwrap() {
+                100.0 * r["verify_s"].as_f64().unwrap() / r["total_s"].as_f64().unwrap()
+            } else {
+                0.0
+            },
         );
     }
     for p in out["peers"].as_array().unwrap() {
         println!(
             "peer {} ({}): {:.2} GB/s ({:.2}–{:.2}); thaw auto = {}",
-            p["peer"].as_str().unwrap(), p["cache"].as_str().unwrap(), p["gb_s"].as_f64().unwrap(), p["min"].as_f64().unwrap(), p["max"].as_f64().unwrap(),
-            p["ours_auto_vs_peer"].as_f64().map(|r| format!("{r:.2}x")).unwrap_or("(auto not measured)".into())
+            p["peer"].as_str().unwrap(),
+            p["cache"].as_str().unwrap(),
+            p["gb_s"].as_f64().unwrap(),
+            p["min"].as_f64().unwrap(),
+            p["max"].as_f64().unwrap(),
+            p["ours_auto_vs_peer"]
+                .as_f64()
+                .map(|r| format!("{r:.2}x"))
+                .unwrap_or("(auto not measured)".into())
         );
     }
     Ok(())

@@ -15,7 +15,10 @@ mod membw;
 mod synth;
 
 #[derive(Parser)]
-#[command(name = "bench-coldstart", about = "Cold-start, load and decode benchmarks for thaw")]
+#[command(
+    name = "bench-coldstart",
+    about = "Cold-start, load and decode benchmarks for thaw"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -52,6 +55,10 @@ fn main() {
 pub fn stats(v: &[f64]) -> (f64, f64, f64) {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
-    let med = if s.len() % 2 == 1 { s[s.len() / 2] } else { (s[s.len() / 2 - 1] + s[s.len() / 2]) / 2.0 };
+    let med = if s.len() % 2 == 1 {
+        s[s.len() / 2]
+    } else {
+        (s[s.len() / 2 - 1] + s[s.len() / 2]) / 2.0
+    };
     (med, s[0], s[s.len() - 1])
 }

@@ -24,7 +24,10 @@ pub fn read_bandwidth(pool: &ThreadPool, bytes: usize, reps: usize) -> f64 {
                     acc[l] = acc[l].wrapping_add(c[l]);
                 }
             }
-            sums[i].store(acc.iter().fold(0, |a, &b| a.wrapping_add(b)), std::sync::atomic::Ordering::Relaxed);
+            sums[i].store(
+                acc.iter().fold(0, |a, &b| a.wrapping_add(b)),
+                std::sync::atomic::Ordering::Relaxed,
+            );
         });
         best = best.max(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
     }

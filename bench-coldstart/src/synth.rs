@@ -41,9 +41,39 @@ struct Shape {
 
 fn shape(name: &str) -> Result<Shape> {
     Ok(match name {
-        "llama-3-8b" => Shape { hidden: 4096, inter: 14336, layers: 32, heads: 32, kv: 8, vocab: 128256, tied: false, theta: 500000.0, ctx: 8192 },
-        "llama-3-1b" => Shape { hidden: 2048, inter: 8192, layers: 16, heads: 32, kv: 8, vocab: 128256, tied: true, theta: 500000.0, ctx: 8192 },
-        "smollm2-135m" => Shape { hidden: 576, inter: 1536, layers: 30, heads: 9, kv: 3, vocab: 49152, tied: true, theta: 100000.0, ctx: 8192 },
+        "llama-3-8b" => Shape {
+            hidden: 4096,
+            inter: 14336,
+            layers: 32,
+            heads: 32,
+            kv: 8,
+            vocab: 128256,
+            tied: false,
+            theta: 500000.0,
+            ctx: 8192,
+        },
+        "llama-3-1b" => Shape {
+            hidden: 2048,
+            inter: 8192,
+            layers: 16,
+            heads: 32,
+            kv: 8,
+            vocab: 128256,
+            tied: true,
+            theta: 500000.0,
+            ctx: 8192,
+        },
+        "smollm2-135m" => Shape {
+            hidden: 576,
+            inter: 1536,
+            layers: 30,
+            heads: 9,
+            kv: 3,
+            vocab: 49152,
+            tied: true,
+            theta: 100000.0,
+            ctx: 8192,
+        },
         s => bail!("unknown shape '{s}' (llama-3-8b, llama-3-1b, smollm2-135m)"),
     })
 }
@@ -51,14 +81,34 @@ fn shape(name: &str) -> Result<Shape> {
 /// Tensors in forward order: (name, shape, is_norm).
 fn tensors(s: &Shape) -> Vec<(String, Vec<usize>, bool)> {
     let hd = s.hidden / s.heads;
-    let mut v = vec![("model.embed_tokens.weight".to_string(), vec![s.vocab, s.hidden], false)];
+    let mut v = vec![(
+        "model.embed_tokens.weight".to_string(),
+        vec![s.vocab, s.hidden],
+        false,
+    )];
     for i in 0..s.layers {
         let p = |n: &str| format!("model.layers.{i}.{n}");
         v.push((p("input_layernorm.weight"), vec![s.hidden], true));
-        v.push((p("self_attn.q_proj.weight"), vec![s.heads * hd, s.hidden], false));
-        v.push((p("self_attn.k_proj.weight"), vec![s.kv * hd, s.hidden], false));
-        v.push((p("self_attn.v_proj.weight"), vec![s.kv * hd, s.hidden], false));
-        v.push((p("self_attn.o_proj.weight"), vec![s.hidden, s.heads * hd], false));
+        v.push((
+            p("self_attn.q_proj.weight"),
+            vec![s.heads * hd, s.hidden],
+            false,
+        ));
+        v.push((
+            p("self_attn.k_proj.weight"),
+            vec![s.kv * hd, s.hidden],
+            false,
+        ));
+        v.push((
+            p("self_attn.v_proj.weight"),
+            vec![s.kv * hd, s.hidden],
+            false,
+        ));
+        v.push((
+            p("self_attn.o_proj.weight"),
+            vec![s.hidden, s.heads * hd],
+            false,
+        ));
         v.push((p("post_attention_layernorm.weight"), vec![s.hidden], true));
         v.push((p("mlp.gate_proj.weight"), vec![s.inter, s.hidden], false));
         v.push((p("mlp.up_proj.weight"), vec![s.inter, s.hidden], false));
@@ -83,7 +133,11 @@ fn fill(out: &mut [u8], dtype: &str, norm: bool, state: &mut u64) {
         "f32" => {
             for c in out.chunks_exact_mut(4) {
                 let r = next();
-                let v = if norm { 1.0 + ((r >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1 } else { ((r >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.04 };
+                let v = if norm {
+                    1.0 + ((r >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1
+                } else {
+                    ((r >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.04
+                };
                 c.copy_from_slice(&v.to_le_bytes());
             }
         }
@@ -94,7 +148,11 @@ fn fill(out: &mut [u8], dtype: &str, norm: bool, state: &mut u64) {
                 for j in 0..4 {
                     let m = ((r >> (16 * j)) & 0xffff) as u16;
                     let bits: u16 = if dtype == "f16" {
-                        if norm { 0x3c00 | (m & 0x00ff) } else { (m & 0x8000) | 0x2000 | (m & 0x07ff) }
+                        if norm {
+                            0x3c00 | (m & 0x00ff)
+                        } else {
+                            (m & 0x8000) | 0x2000 | (m & 0x07ff)
+                        }
                     } else if norm {
                         0x3f80 | (m & 0x000f)
                     } else {
@@ -140,14 +198,21 @@ pub fn run(a: SynthArgs) -> Result<()> {
     let mut total = 0u64;
     let mut state = a.seed.max(1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     for (si, idx) in shards.iter().enumerate() {
-        let file = if n == 1 { "model.safetensors".to_string() } else { format!("model-{:05}-of-{:05}.safetensors", si + 1, n) };
+        let file = if n == 1 {
+            "model.safetensors".to_string()
+        } else {
+            format!("model-{:05}-of-{:05}.safetensors", si + 1, n)
+        };
         let mut header = serde_json::Map::new();
         header.insert("__metadata__".into(), json!({"format": "pt"}));
         let mut off = 0u64;
         for &i in idx {
             let (name, sh, _) = &all[i];
             let b = sh.iter().product::<usize>() as u64 * esz;
-            header.insert(name.clone(), json!({"dtype": st_dtype, "shape": sh, "data_offsets": [off, off + b]}));
+            header.insert(
+                name.clone(),
+                json!({"dtype": st_dtype, "shape": sh, "data_offsets": [off, off + b]}),
+            );
             weight_map.insert(name.clone(), json!(file));
             off += b;
         }
@@ -174,20 +239,33 @@ pub fn run(a: SynthArgs) -> Result<()> {
         w.flush()?;
     }
     if n > 1 {
-        std::fs::write(a.out.join("model.safetensors.index.json"), serde_json::to_string_pretty(&json!({"metadata": {"total_size": total}, "weight_map": weight_map}))?)?;
+        std::fs::write(
+            a.out.join("model.safetensors.index.json"),
+            serde_json::to_string_pretty(
+                &json!({"metadata": {"total_size": total}, "weight_map": weight_map}),
+            )?,
+        )?;
     }
     let hd = s.hidden / s.heads;
-    std::fs::write(a.out.join("config.json"), serde_json::to_string_pretty(&json!({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": s.hidden,
-        "intermediate_size": s.inter, "num_hidden_layers": s.layers, "num_attention_heads": s.heads,
-        "num_key_value_heads": s.kv, "head_dim": hd, "vocab_size": s.vocab, "rms_norm_eps": 1e-5,
-        "rope_theta": s.theta, "max_position_embeddings": s.ctx, "tie_word_embeddings": s.tied,
-        "torch_dtype": torch, "bos_token_id": 1, "eos_token_id": 2,
-    }))?)?;
+    std::fs::write(
+        a.out.join("config.json"),
+        serde_json::to_string_pretty(&json!({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": s.hidden,
+            "intermediate_size": s.inter, "num_hidden_layers": s.layers, "num_attention_heads": s.heads,
+            "num_key_value_heads": s.kv, "head_dim": hd, "vocab_size": s.vocab, "rms_norm_eps": 1e-5,
+            "rope_theta": s.theta, "max_position_embeddings": s.ctx, "tie_word_embeddings": s.tied,
+            "torch_dtype": torch, "bos_token_id": 1, "eos_token_id": 2,
+        }))?,
+    )?;
     if a.manifest {
         let ck = thaw_loader::Checkpoint::open(&a.out)?;
         thaw_loader::Manifest::build(&ck, thaw_loader::manifest::DEFAULT_CHUNK)?.write(&a.out)?;
     }
-    println!("{} ({} tensors, {:.2} GB in {n} shard(s))", a.out.display(), all.len(), total as f64 / 1e9);
+    println!(
+        "{} ({} tensors, {:.2} GB in {n} shard(s))",
+        a.out.display(),
+        all.len(),
+        total as f64 / 1e9
+    );
     Ok(())
 }

@@ -24,7 +24,10 @@ impl Isa {
             {
                 v.push(Isa::Avx512);
             }
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+            if is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+            {
                 v.push(Isa::Avx2);
             }
         }
@@ -37,12 +40,14 @@ impl Isa {
         static ISA: OnceLock<Isa> = OnceLock::new();
         *ISA.get_or_init(|| {
             let avail = Isa::available();
-            let wanted = std::env::var("THAW_ISA").ok().and_then(|s| match s.as_str() {
-                "avx512" => Some(Isa::Avx512),
-                "avx2" => Some(Isa::Avx2),
-                "scalar" => Some(Isa::Scalar),
-                _ => None,
-            });
+            let wanted = std::env::var("THAW_ISA")
+                .ok()
+                .and_then(|s| match s.as_str() {
+                    "avx512" => Some(Isa::Avx512),
+                    "avx2" => Some(Isa::Avx2),
+                    "scalar" => Some(Isa::Scalar),
+                    _ => None,
+                });
             match wanted {
                 Some(w) if avail.contains(&w) => w,
                 _ => avail[0],

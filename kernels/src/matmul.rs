@@ -39,8 +39,14 @@ impl<'a> Matrix<'a> {
         let (a, b) = (r * self.cols, (r + 1) * self.cols);
         match self.w {
             Weights::F32(s) => out.copy_from_slice(&s[a..b]),
-            Weights::Bf16(s) => out.iter_mut().zip(&s[a..b]).for_each(|(o, &v)| *o = f32::from_bits((v as u32) << 16)),
-            Weights::F16(s) => out.iter_mut().zip(&s[a..b]).for_each(|(o, &v)| *o = half::f16::from_bits(v).to_f32()),
+            Weights::Bf16(s) => out
+                .iter_mut()
+                .zip(&s[a..b])
+                .for_each(|(o, &v)| *o = f32::from_bits((v as u32) << 16)),
+            Weights::F16(s) => out
+                .iter_mut()
+                .zip(&s[a..b])
+                .for_each(|(o, &v)| *o = half::f16::from_bits(v).to_f32()),
         }
     }
 
@@ -93,7 +99,13 @@ pub fn matmul(pool: &ThreadPool, x: &[f32], n: usize, mats: &mut [(Matrix<'_>, &
 }
 
 /// [`matmul`] on a chosen instruction set (tests compare them all).
-pub fn matmul_with(isa: Isa, pool: &ThreadPool, x: &[f32], n: usize, mats: &mut [(Matrix<'_>, &mut [f32])]) {
+pub fn matmul_with(
+    isa: Isa,
+    pool: &ThreadPool,
+    x: &[f32],
+    n: usize,
+    mats: &mut [(Matrix<'_>, &mut [f32])],
+) {
     if n == 0 || mats.is_empty() {
         return;
     }
@@ -106,7 +118,12 @@ pub fn matmul_with(isa: Isa, pool: &ThreadPool, x: &[f32], n: usize, mats: &mut 
     let total_rows: usize = mats.iter().map(|(m, _)| m.rows).sum();
     // Enough tasks to balance the threads, big enough to amortize claiming one; a multiple of 8.
     let target = (total_rows / (pool.threads() * 6)).max(8);
-    let block = if n > 1 { target.clamp(16, 64) } else { target.clamp(8, 64) } / 8 * 8;
+    let block = if n > 1 {
+        target.clamp(16, 64)
+    } else {
+        target.clamp(8, 64)
+    } / 8
+        * 8;
     let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
     for (mi, (m, _)) in mats.iter().enumerate() {
         let mut r = 0;
@@ -116,9 +133,16 @@ pub fn matmul_with(isa: Isa, pool: &ThreadPool, x: &[f32], n: usize, mats: &mut 
             r = e;
         }
     }
-    let split = (isa == Isa::Avx512 && mats.iter().any(|(m, _)| matches!(m.w, Weights::Bf16(_)))).then(|| split_even_odd(x, n, k));
-    let input = Input { x, split: split.as_ref().map(|(v, kp)| (&v[..], *kp)) };
-    let views: Vec<(Matrix<'_>, OutPtr)> = mats.iter_mut().map(|(m, o)| (*m, OutPtr(o.as_mut_ptr()))).collect();
+    let split = (isa == Isa::Avx512 && mats.iter().any(|(m, _)| matches!(m.w, Weights::Bf16(_))))
+        .then(|| split_even_odd(x, n, k));
+    let input = Input {
+        x,
+        split: split.as_ref().map(|(v, kp)| (&v[..], *kp)),
+    };
+    let views: Vec<(Matrix<'_>, OutPtr)> = mats
+        .iter_mut()
+        .map(|(m, o)| (*m, OutPtr(o.as_mut_ptr())))
+        .collect();
     let job = |ti: usize| {
         let (mi, r0, r1) = tasks[ti];
         let (m, out) = views[mi];
@@ -133,7 +157,17 @@ pub fn matmul_with(isa: Isa, pool: &ThreadPool, x: &[f32], n: usize, mats: &mut 
 /// # Safety
 /// `out` must be valid for `n * ldo` f32 writes and `x` hold `n * k` values; `m` is `[rows, k]`.
 #[allow(clippy::too_many_arguments)]
-unsafe fn rows_kernel(isa: Isa, input: &Input<'_>, n: usize, k: usize, m: &Matrix<'_>, r0: usize, r1: usize, out: *mut f32, ldo: usize) {
+unsafe fn rows_kernel(
+    isa: Isa,
+    input: &Input<'_>,
+    n: usize,
+    k: usize,
+    m: &Matrix<'_>,
+    r0: usize,
+    r1: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
     #[cfg(target_arch = "x86_64")]
     match isa {
         // SAFETY: Isa::Avx512/Avx2 are only produced after feature detection.
@@ -148,7 +182,10 @@ unsafe fn rows_kernel(isa: Isa, input: &Input<'_>, n: usize, k: usize, m: &Matri
         for r in r0..r1 {
             let mut acc = 0f32;
             match m.w {
-                Weights::F32(s) => xr.iter().zip(&s[r * k..(r + 1) * k]).for_each(|(a, b)| acc += a * b),
+                Weights::F32(s) => xr
+                    .iter()
+                    .zip(&s[r * k..(r + 1) * k])
+                    .for_each(|(a, b)| acc += a * b),
                 Weights::Bf16(s) => xr
                     .iter()
                     .zip(&s[r * k..(r + 1) * k])
@@ -170,7 +207,16 @@ macro_rules! rows_driver {
     ($feat:literal) => {
         #[target_feature(enable = $feat)]
         #[allow(clippy::too_many_arguments)]
-        pub(super) unsafe fn rows(x: &Input<'_>, n: usize, k: usize, m: &Matrix<'_>, r0: usize, r1: usize, out: *mut f32, ldo: usize) {
+        pub(super) unsafe fn rows(
+            x: &Input<'_>,
+            n: usize,
+            k: usize,
+            m: &Matrix<'_>,
+            r0: usize,
+            r1: usize,
+            out: *mut f32,
+            ldo: usize,
+        ) {
             let (kind, w) = m.kind();
             // SAFETY (whole body): every tile stays inside rows r0..r1 and tokens 0..n, which the
             // caller guarantees are in bounds of `x`, the matrix and `out`.
@@ -178,7 +224,9 @@ macro_rules! rows_driver {
                 match kind {
                     KIND_F32 => rows_k::<KIND_F32>(x.x.as_ptr(), k, n, k, w, r0, r1, out, ldo),
                     KIND_BF16 => match x.split {
-                        Some((xs, ldx)) => rows_k::<KIND_BF16>(xs.as_ptr(), ldx, n, k, w, r0, r1, out, ldo),
+                        Some((xs, ldx)) => {
+                            rows_k::<KIND_BF16>(xs.as_ptr(), ldx, n, k, w, r0, r1, out, ldo)
+                        }
                         None => rows_k::<KIND_BF16>(x.x.as_ptr(), k, n, k, w, r0, r1, out, ldo),
                     },
                     _ => rows_k::<KIND_F16>(x.x.as_ptr(), k, n, k, w, r0, r1, out, ldo),
@@ -188,7 +236,17 @@ macro_rules! rows_driver {
 
         #[target_feature(enable = $feat)]
         #[allow(clippy::too_many_arguments)]
-        unsafe fn rows_k<const K: u8>(x: *const f32, ldx: usize, n: usize, k: usize, w: *const u8, r0: usize, r1: usize, out: *mut f32, ldo: usize) {
+        unsafe fn rows_k<const K: u8>(
+            x: *const f32,
+            ldx: usize,
+            n: usize,
+            k: usize,
+            w: *const u8,
+            r0: usize,
+            r1: usize,
+            out: *mut f32,
+            ldo: usize,
+        ) {
             // SAFETY (whole body): see `rows`.
             unsafe {
                 let mut t = 0;
@@ -208,11 +266,29 @@ macro_rules! rows_driver {
                 if rest > 1 {
                     let mut r = r0;
                     while r + TR <= r1 {
-                        small_tile::<K, TR>(rest, x.add(t * ldx), ldx, k, w, r, out.add(t * ldo), ldo);
+                        small_tile::<K, TR>(
+                            rest,
+                            x.add(t * ldx),
+                            ldx,
+                            k,
+                            w,
+                            r,
+                            out.add(t * ldo),
+                            ldo,
+                        );
                         r += TR;
                     }
                     while r < r1 {
-                        small_tile::<K, 1>(rest, x.add(t * ldx), ldx, k, w, r, out.add(t * ldo), ldo);
+                        small_tile::<K, 1>(
+                            rest,
+                            x.add(t * ldx),
+                            ldx,
+                            k,
+                            w,
+                            r,
+                            out.add(t * ldo),
+                            ldo,
+                        );
                         r += 1;
                     }
                 } else if rest == 1 {
@@ -235,7 +311,16 @@ macro_rules! rows_driver {
         /// Fewer than `TT` tokens: dispatch to a tile of exactly that many.
         #[target_feature(enable = $feat)]
         #[allow(clippy::too_many_arguments)]
-        unsafe fn small_tile<const K: u8, const R: usize>(nt: usize, x: *const f32, ldx: usize, k: usize, w: *const u8, r: usize, out: *mut f32, ldo: usize) {
+        unsafe fn small_tile<const K: u8, const R: usize>(
+            nt: usize,
+            x: *const f32,
+            ldx: usize,
+            k: usize,
+            w: *const u8,
+            r: usize,
+            out: *mut f32,
+            ldo: usize,
+        ) {
             // SAFETY: forwards the caller's bounds.
             unsafe {
                 match nt {
@@ -295,7 +380,10 @@ mod avx512 {
             if K == KIND_F32 {
                 _mm512_maskz_loadu_ps(mask, w.cast::<f32>().add(i))
             } else {
-                widen::<K>(_mm256_maskz_loadu_epi16(mask, w.cast::<u16>().add(i).cast()))
+                widen::<K>(_mm256_maskz_loadu_epi16(
+                    mask,
+                    w.cast::<u16>().add(i).cast(),
+                ))
             }
         }
     }
@@ -303,7 +391,15 @@ mod avx512 {
     /// R weight rows starting at row `r` × T tokens.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    unsafe fn tile<const K: u8, const R: usize, const T: usize>(x: *const f32, ldx: usize, k: usize, w: *const u8, r: usize, out: *mut f32, ldo: usize) {
+    unsafe fn tile<const K: u8, const R: usize, const T: usize>(
+        x: *const f32,
+        ldx: usize,
+        k: usize,
+        w: *const u8,
+        r: usize,
+        out: *mut f32,
+        ldo: usize,
+    ) {
         if K == KIND_BF16 {
             // SAFETY: same contract.
             return unsafe { tile_bf16::<R, T>(x, ldx, k, w.cast(), r, out, ldo) };
@@ -372,7 +468,15 @@ mod avx512_bf16_tile {
     /// values, zero-padded to a multiple of 32, `ldx` floats per token.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn tile_bf16<const R: usize, const T: usize>(x: *const f32, ldx: usize, k: usize, w: *const u16, r: usize, out: *mut f32, ldo: usize) {
+    pub(super) unsafe fn tile_bf16<const R: usize, const T: usize>(
+        x: *const f32,
+        ldx: usize,
+        k: usize,
+        w: *const u16,
+        r: usize,
+        out: *mut f32,
+        ldo: usize,
+    ) {
         // SAFETY: rows r..r+R of `w` (k elements each) and tokens 0..T of `x`/`out` are in bounds
         // (caller); masked loads never touch lanes beyond k; prefetches cannot fault.
         unsafe {
@@ -384,7 +488,11 @@ mod avx512_bf16_tile {
             let mut i = 0;
             while i < k {
                 let rem = k - i;
-                let m32: __mmask32 = if i < full { !0 } else { ((1u64 << rem) - 1) as u32 };
+                let m32: __mmask32 = if i < full {
+                    !0
+                } else {
+                    ((1u64 << rem) - 1) as u32
+                };
                 let pf = next.wrapping_add(i / 32 * step_bytes);
                 let mut line = 0;
                 while line < step_bytes {
@@ -399,7 +507,11 @@ mod avx512_bf16_tile {
                 }
                 for ri in 0..R {
                     let wp = w.add((r + ri) * k + i).cast();
-                    let wv = if i < full { _mm512_loadu_si512(wp) } else { _mm512_maskz_loadu_epi16(m32, wp.cast()) };
+                    let wv = if i < full {
+                        _mm512_loadu_si512(wp)
+                    } else {
+                        _mm512_maskz_loadu_epi16(m32, wp.cast())
+                    };
                     let we = _mm512_castsi512_ps(_mm512_slli_epi32(wv, 16));
                     let wo = _mm512_castsi512_ps(_mm512_and_si512(wv, hi));
                     for t in 0..T {
@@ -459,7 +571,15 @@ mod avx2 {
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn tile<const K: u8, const R: usize, const T: usize>(x: *const f32, ldx: usize, k: usize, w: *const u8, r: usize, out: *mut f32, ldo: usize) {
+    unsafe fn tile<const K: u8, const R: usize, const T: usize>(
+        x: *const f32,
+        ldx: usize,
+        k: usize,
+        w: *const u8,
+        r: usize,
+        out: *mut f32,
+        ldo: usize,
+    ) {
         // SAFETY: rows r..r+R of `w` and tokens 0..T of `x`/`out` are in bounds (caller).
         unsafe {
             let mut acc = [[_mm256_setzero_ps(); T]; R];
@@ -490,7 +610,11 @@ mod avx2 {
                 }
                 for ri in 0..R {
                     let mut buf = [0u8; LANES * 4];
-                    std::ptr::copy_nonoverlapping(w.add(((r + ri) * k + i) * esz), buf.as_mut_ptr(), rem * esz);
+                    std::ptr::copy_nonoverlapping(
+                        w.add(((r + ri) * k + i) * esz),
+                        buf.as_mut_ptr(),
+                        rem * esz,
+                    );
                     let wv = load_w::<K>(buf.as_ptr(), 0);
                     for t in 0..T {
                         acc[ri][t] = _mm256_fmadd_ps(wv, xv[t], acc[ri][t]);
@@ -514,7 +638,10 @@ mod tests {
     struct Rng(u64);
     impl Rng {
         fn f(&mut self) -> f32 {
-            self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            self.0 = self
+                .0
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
         }
     }
@@ -523,15 +650,30 @@ mod tests {
     fn matches_f64_reference_on_awkward_sizes() {
         let pool = ThreadPool::new(3);
         let mut rng = Rng(7);
-        for &(n, rows, k) in &[(1, 1, 1), (1, 13, 17), (5, 7, 33), (7, 29, 15), (13, 67, 577), (1, 130, 64), (6, 8, 16), (2, 9, 31)] {
+        for &(n, rows, k) in &[
+            (1, 1, 1),
+            (1, 13, 17),
+            (5, 7, 33),
+            (7, 29, 15),
+            (13, 67, 577),
+            (1, 130, 64),
+            (6, 8, 16),
+            (2, 9, 31),
+        ] {
             let x: Vec<f32> = (0..n * k).map(|_| rng.f()).collect();
             let wf: Vec<f32> = (0..rows * k).map(|_| rng.f()).collect();
             let wb: Vec<u16> = wf.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
             let wh: Vec<u16> = wf.iter().map(|&v| f16::from_f32(v).to_bits()).collect();
             let variants: [(Weights, Box<dyn Fn(usize) -> f64>); 3] = [
                 (Weights::F32(&wf), Box::new(|i| wf[i] as f64)),
-                (Weights::Bf16(&wb), Box::new(|i| bf16::from_bits(wb[i]).to_f64())),
-                (Weights::F16(&wh), Box::new(|i| f16::from_bits(wh[i]).to_f64())),
+                (
+                    Weights::Bf16(&wb),
+                    Box::new(|i| bf16::from_bits(wb[i]).to_f64()),
+                ),
+                (
+                    Weights::F16(&wh),
+                    Box::new(|i| f16::from_bits(wh[i]).to_f64()),
+                ),
             ];
             for (w, wval) in &variants {
                 for isa in Isa::available() {
@@ -549,7 +691,10 @@ mod tests {
                                 mag += p.abs();
                             }
                             let got = out[t * rows + r] as f64;
-                            assert!((got - want).abs() <= 1e-5 * mag + 1e-12, "{isa:?} n{n} r{rows} k{k}: {got} vs {want}");
+                            assert!(
+                                (got - want).abs() <= 1e-5 * mag + 1e-12,
+                                "{isa:?} n{n} r{rows} k{k}: {got} vs {want}"
+                            );
                         }
                     }
                 }
@@ -562,7 +707,9 @@ mod tests {
         let pool = ThreadPool::new(2);
         let mut rng = Rng(11);
         let (rows, k) = (37, 100);
-        let w: Vec<u16> = (0..rows * k).map(|_| bf16::from_f32(rng.f()).to_bits()).collect();
+        let w: Vec<u16> = (0..rows * k)
+            .map(|_| bf16::from_f32(rng.f()).to_bits())
+            .collect();
         let m = Matrix::new(Weights::Bf16(&w), rows, k);
         let n = 13;
         let x: Vec<f32> = (0..n * k).map(|_| rng.f()).collect();
@@ -572,12 +719,22 @@ mod tests {
             for t in 0..n {
                 let mut one = vec![0f32; rows];
                 matmul_with(isa, &pool, &x[t * k..(t + 1) * k], 1, &mut [(m, &mut one)]);
-                assert_eq!(&all[t * rows..(t + 1) * rows], &one[..], "{isa:?} token {t}");
+                assert_eq!(
+                    &all[t * rows..(t + 1) * rows],
+                    &one[..],
+                    "{isa:?} token {t}"
+                );
             }
             // Any split of the tokens gives the same bits.
             let mut parts = vec![0f32; n * rows];
             for (a, b) in [(0, 4), (4, 9), (9, 13)] {
-                matmul_with(isa, &pool, &x[a * k..b * k], b - a, &mut [(m, &mut parts[a * rows..b * rows])]);
+                matmul_with(
+                    isa,
+                    &pool,
+                    &x[a * k..b * k],
+                    b - a,
+                    &mut [(m, &mut parts[a * rows..b * rows])],
+                );
             }
             assert_eq!(all, parts);
         }

@@ -151,7 +151,16 @@ pub struct AttnShape {
 /// up to and including the new tokens, so query `i` sits at position `len - n + i` and sees keys
 /// `0..=len - n + i`. Query head `h` reads KV head `h / (n_heads / n_kv_heads)`. The computation is
 /// flash-style (one pass, running max and sum) and per (token, head) independent of `n`.
-pub fn attention(pool: &ThreadPool, q: &[f32], k: &[f32], v: &[f32], n: usize, len: usize, s: AttnShape, out: &mut [f32]) {
+pub fn attention(
+    pool: &ThreadPool,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    n: usize,
+    len: usize,
+    s: AttnShape,
+    out: &mut [f32],
+) {
     let (hd, nh, nkv) = (s.head_dim, s.n_heads, s.n_kv_heads);
     assert!(nh % nkv == 0 && n <= len);
     assert_eq!(q.len(), n * nh * hd);
@@ -178,18 +187,55 @@ pub const ATTN_BLOCK: usize = 64;
 
 /// One query row against `visible` keys (see [`attend_one_with`]), on the best SIMD path.
 #[allow(clippy::too_many_arguments)]
-pub fn attend_one(q: &[f32], k: &[f32], v: &[f32], visible: usize, stride: usize, off: usize, scale: f32, out: &mut [f32]) {
+pub fn attend_one(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    visible: usize,
+    stride: usize,
+    off: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
     #[cfg(target_arch = "x86_64")]
     {
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
         #[allow(clippy::too_many_arguments)]
-        unsafe fn avx512(q: &[f32], k: &[f32], v: &[f32], visible: usize, stride: usize, off: usize, scale: f32, out: &mut [f32]) {
+        unsafe fn avx512(
+            q: &[f32],
+            k: &[f32],
+            v: &[f32],
+            visible: usize,
+            stride: usize,
+            off: usize,
+            scale: f32,
+            out: &mut [f32],
+        ) {
             // SAFETY: this function only runs where AVX-512 was detected.
-            attend_one_with(|a, b| unsafe { simd::dot_avx512(a, b) }, q, k, v, visible, stride, off, scale, out)
+            attend_one_with(
+                |a, b| unsafe { simd::dot_avx512(a, b) },
+                q,
+                k,
+                v,
+                visible,
+                stride,
+                off,
+                scale,
+                out,
+            )
         }
         #[target_feature(enable = "avx2,fma")]
         #[allow(clippy::too_many_arguments)]
-        unsafe fn avx2(q: &[f32], k: &[f32], v: &[f32], visible: usize, stride: usize, off: usize, scale: f32, out: &mut [f32]) {
+        unsafe fn avx2(
+            q: &[f32],
+            k: &[f32],
+            v: &[f32],
+            visible: usize,
+            stride: usize,
+            off: usize,
+            scale: f32,
+            out: &mut [f32],
+        ) {
             attend_one_with(dot, q, k, v, visible, stride, off, scale, out)
         }
         match Isa::detect() {
@@ -204,7 +250,16 @@ pub fn attend_one(q: &[f32], k: &[f32], v: &[f32], visible: usize, stride: usize
 }
 
 #[allow(clippy::too_many_arguments)]
-fn attend_one_generic(q: &[f32], k: &[f32], v: &[f32], visible: usize, stride: usize, off: usize, scale: f32, out: &mut [f32]) {
+fn attend_one_generic(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    visible: usize,
+    stride: usize,
+    off: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
     attend_one_with(dot, q, k, v, visible, stride, off, scale, out)
 }
 
@@ -224,12 +279,21 @@ mod simd {
             let mut acc = _mm512_setzero_ps();
             let mut i = 0;
             while i < full {
-                acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(a.as_ptr().add(i)), _mm512_loadu_ps(b.as_ptr().add(i))));
+                acc = _mm512_add_ps(
+                    acc,
+                    _mm512_mul_ps(
+                        _mm512_loadu_ps(a.as_ptr().add(i)),
+                        _mm512_loadu_ps(b.as_ptr().add(i)),
+                    ),
+                );
                 i += 16;
             }
             if full < n {
                 let m: __mmask16 = ((1u32 << (n - full)) - 1) as u16;
-                let p = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, a.as_ptr().add(i)), _mm512_maskz_loadu_ps(m, b.as_ptr().add(i)));
+                let p = _mm512_mul_ps(
+                    _mm512_maskz_loadu_ps(m, a.as_ptr().add(i)),
+                    _mm512_maskz_loadu_ps(m, b.as_ptr().add(i)),
+                );
                 acc = _mm512_mask_add_ps(acc, m, acc, p);
             }
             let lo = _mm512_castps512_ps256(acc);
@@ -247,7 +311,17 @@ mod simd {
 /// of a block, one rescale of the running output per block, exponentials vectorized.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn attend_one_with(dot: impl Fn(&[f32], &[f32]) -> f32, q: &[f32], k: &[f32], v: &[f32], visible: usize, stride: usize, off: usize, scale: f32, out: &mut [f32]) {
+fn attend_one_with(
+    dot: impl Fn(&[f32], &[f32]) -> f32,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    visible: usize,
+    stride: usize,
+    off: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
     let hd = q.len();
     let mut m = f32::NEG_INFINITY;
     let mut l = 0f32;
@@ -263,7 +337,11 @@ fn attend_one_with(dot: impl Fn(&[f32], &[f32]) -> f32, q: &[f32], k: &[f32], v:
         }
         let bm = sb.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let m_new = m.max(bm);
-        let c = if m == f32::NEG_INFINITY { 0.0 } else { exp_approx(m - m_new) };
+        let c = if m == f32::NEG_INFINITY {
+            0.0
+        } else {
+            exp_approx(m - m_new)
+        };
         sb.iter_mut().for_each(|x| *x -= m_new);
         exp_inplace(sb);
         let mut lanes = [0f32; L];
@@ -296,7 +374,11 @@ pub fn exp_approx(x: f32) -> f32 {
     let x = x.clamp(-87.0, 88.0);
     let n = (x * LOG2E).round();
     let r = x - n * LN2_HI - n * LN2_LO;
-    let p = 1.0 + r * (1.0 + r * (0.5 + r * (0.166_666_67 + r * (0.041_666_668 + r * (0.008_333_452 + r * 0.001_388_975_7)))));
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (0.166_666_67
+                    + r * (0.041_666_668 + r * (0.008_333_452 + r * 0.001_388_975_7)))));
     let bits = ((n as i32 + 127) as u32) << 23;
     let y = p * f32::from_bits(bits);
     if x <= -87.0 {
@@ -331,7 +413,9 @@ mod tests {
     fn rng(seed: u64) -> impl FnMut() -> f32 {
         let mut s = seed;
         move || {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
         }
     }
@@ -346,7 +430,11 @@ mod tests {
         for d in [1, 15, 16, 17, 100, 577] {
             let x: Vec<f32> = (0..3 * d).map(|_| r()).collect();
             let w: Vec<f32> = (0..d).map(|_| r()).collect();
-            let want_dot: f64 = x[..d].iter().zip(&w).map(|(&a, &b)| a as f64 * b as f64).sum();
+            let want_dot: f64 = x[..d]
+                .iter()
+                .zip(&w)
+                .map(|(&a, &b)| a as f64 * b as f64)
+                .sum();
             assert!(close(dot(&x[..d], &w), want_dot, 1e-5));
             let mut out = vec![0f32; 3 * d];
             rmsnorm(&x, &w, 1e-5, &mut out);
@@ -366,7 +454,10 @@ mod tests {
             }
             let mut sm: Vec<f32> = x[..d].iter().map(|v| v * 30.0).collect();
             softmax(&mut sm);
-            let mx = x[..d].iter().map(|&v| v as f64 * 30.0).fold(f64::MIN, f64::max);
+            let mx = x[..d]
+                .iter()
+                .map(|&v| v as f64 * 30.0)
+                .fold(f64::MIN, f64::max);
             let z: f64 = x[..d].iter().map(|&v| (v as f64 * 30.0 - mx).exp()).sum();
             for i in 0..d {
                 assert!(close(sm[i], (x[i] as f64 * 30.0 - mx).exp() / z, 1e-5));
@@ -386,7 +477,11 @@ mod tests {
             #[cfg(target_arch = "x86_64")]
             if Isa::detect() == Isa::Avx512 {
                 // SAFETY: AVX-512 was detected.
-                assert_eq!(d.to_bits(), unsafe { simd::dot_avx512(&v[..n], &k[..n]) }.to_bits(), "n {n}");
+                assert_eq!(
+                    d.to_bits(),
+                    unsafe { simd::dot_avx512(&v[..n], &k[..n]) }.to_bits(),
+                    "n {n}"
+                );
             }
             let _ = d;
         }
@@ -413,7 +508,10 @@ mod tests {
             let want = (x as f64).exp();
             let got = exp_approx(x) as f64;
             if x > -87.0 {
-                assert!((got - want).abs() <= 3e-7 * want, "exp({x}) = {got}, want {want}");
+                assert!(
+                    (got - want).abs() <= 3e-7 * want,
+                    "exp({x}) = {got}, want {want}"
+                );
             } else {
                 assert!(got < 1e-37);
             }
@@ -426,7 +524,9 @@ mod tests {
     fn rope_rotates_half() {
         let mut r = rng(5);
         let (heads, hd) = (3, 10);
-        let inv: Vec<f64> = (0..hd / 2).map(|i| 1.0 / 10000f64.powf(2.0 * i as f64 / hd as f64)).collect();
+        let inv: Vec<f64> = (0..hd / 2)
+            .map(|i| 1.0 / 10000f64.powf(2.0 * i as f64 / hd as f64))
+            .collect();
         let (mut c, mut s) = (vec![0f32; hd / 2], vec![0f32; hd / 2]);
         rope_angles(7, &inv, &mut c, &mut s);
         let x: Vec<f32> = (0..heads * hd).map(|_| r()).collect();
@@ -435,7 +535,11 @@ mod tests {
         for h in 0..heads {
             for i in 0..hd {
                 let a = 7.0 * inv[i % (hd / 2)];
-                let rot = if i < hd / 2 { -(x[h * hd + i + hd / 2] as f64) } else { x[h * hd + i - hd / 2] as f64 };
+                let rot = if i < hd / 2 {
+                    -(x[h * hd + i + hd / 2] as f64)
+                } else {
+                    x[h * hd + i - hd / 2] as f64
+                };
                 let want = x[h * hd + i] as f64 * a.cos() + rot * a.sin();
                 assert!(close(y[h * hd + i], want, 1e-6));
             }
@@ -446,8 +550,19 @@ mod tests {
     fn gqa_attention_matches_reference() {
         let pool = ThreadPool::new(2);
         let mut r = rng(9);
-        for &(n, len, nh, nkv, hd) in &[(1, 1, 1, 1, 4), (3, 7, 6, 2, 5), (5, 5, 9, 3, 17), (1, 33, 4, 4, 64), (3, 150, 6, 2, 64), (70, 200, 2, 1, 8)] {
-            let s = AttnShape { n_heads: nh, n_kv_heads: nkv, head_dim: hd };
+        for &(n, len, nh, nkv, hd) in &[
+            (1, 1, 1, 1, 4),
+            (3, 7, 6, 2, 5),
+            (5, 5, 9, 3, 17),
+            (1, 33, 4, 4, 64),
+            (3, 150, 6, 2, 64),
+            (70, 200, 2, 1, 8),
+        ] {
+            let s = AttnShape {
+                n_heads: nh,
+                n_kv_heads: nkv,
+                head_dim: hd,
+            };
             let q: Vec<f32> = (0..n * nh * hd).map(|_| r() * 3.0).collect();
             let k: Vec<f32> = (0..len * nkv * hd).map(|_| r() * 3.0).collect();
             let v: Vec<f32> = (0..len * nkv * hd).map(|_| r()).collect();
@@ -459,15 +574,25 @@ mod tests {
                     let vis = len - n + t + 1;
                     let sc: Vec<f64> = (0..vis)
                         .map(|j| {
-                            (0..hd).map(|d| q[(t * nh + h) * hd + d] as f64 * k[(j * nkv + kvh) * hd + d] as f64).sum::<f64>()
+                            (0..hd)
+                                .map(|d| {
+                                    q[(t * nh + h) * hd + d] as f64
+                                        * k[(j * nkv + kvh) * hd + d] as f64
+                                })
+                                .sum::<f64>()
                                 / (hd as f64).sqrt()
                         })
                         .collect();
                     let mx = sc.iter().cloned().fold(f64::MIN, f64::max);
                     let z: f64 = sc.iter().map(|s| (s - mx).exp()).sum();
                     for d in 0..hd {
-                        let want: f64 = (0..vis).map(|j| (sc[j] - mx).exp() / z * v[(j * nkv + kvh) * hd + d] as f64).sum();
-                        assert!(close(out[(t * nh + h) * hd + d], want, 1e-5), "n{n} len{len} t{t} h{h}");
+                        let want: f64 = (0..vis)
+                            .map(|j| (sc[j] - mx).exp() / z * v[(j * nkv + kvh) * hd + d] as f64)
+                            .sum();
+                        assert!(
+                            close(out[(t * nh + h) * hd + d], want, 1e-5),
+                            "n{n} len{len} t{t} h{h}"
+                        );
                     }
                 }
             }

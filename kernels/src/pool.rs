@@ -71,7 +71,11 @@ impl ThreadPool {
             let n = std::env::var("THAW_THREADS")
                 .ok()
                 .and_then(|v| v.parse().ok())
-                .unwrap_or_else(|| thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+                .unwrap_or_else(|| {
+                    thread::available_parallelism()
+                        .map(|n| n.get())
+                        .unwrap_or(1)
+                });
             ThreadPool::new(n)
         })
     }
@@ -95,7 +99,8 @@ impl ThreadPool {
         // workers. The closure outlives its use because we wait below until `busy` is zero, and
         // workers only touch the pointer between seeing the new epoch and decrementing `busy`.
         let ptr: *const (dyn Fn(usize) + Sync + '_) = f;
-        let raw: [usize; 2] = unsafe { std::mem::transmute::<*const (dyn Fn(usize) + Sync + '_), [usize; 2]>(ptr) };
+        let raw: [usize; 2] =
+            unsafe { std::mem::transmute::<*const (dyn Fn(usize) + Sync + '_), [usize; 2]>(ptr) };
         s.job.store(raw[0], Ordering::Relaxed);
         s.job_meta.store(raw[1], Ordering::Relaxed);
         s.n_tasks.store(n_tasks, Ordering::Relaxed);
@@ -140,13 +145,16 @@ fn worker(s: Arc<Shared>) {
                 return;
             }
             spins += 1;
-            if spins % 1024 == 0 && start.elapsed() > SPIN {
+            if spins.is_multiple_of(1024) && start.elapsed() > SPIN {
                 thread::park_timeout(Duration::from_millis(50));
             } else {
                 std::hint::spin_loop();
             }
         }
-        let raw = [s.job.load(Ordering::Relaxed), s.job_meta.load(Ordering::Relaxed)];
+        let raw = [
+            s.job.load(Ordering::Relaxed),
+            s.job_meta.load(Ordering::Relaxed),
+        ];
         // SAFETY: rebuilt from the pointer `run` stored before bumping the epoch (Release/Acquire
         // orders those stores before this load); `run` keeps the closure alive until `busy` is 0.
         let f: &Job = unsafe { &*std::mem::transmute::<[usize; 2], *const Job>(raw) };

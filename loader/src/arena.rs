@@ -29,7 +29,12 @@ impl AlignedBuf {
     /// A zeroed buffer of `len` bytes. Panics only if the system is out of address space.
     pub fn zeroed(len: usize) -> AlignedBuf {
         if len == 0 {
-            return AlignedBuf { ptr: NonNull::dangling(), len: 0, map: std::ptr::null_mut(), map_len: 0 };
+            return AlignedBuf {
+                ptr: NonNull::dangling(),
+                len: 0,
+                map: std::ptr::null_mut(),
+                map_len: 0,
+            };
         }
         let map_len = len + HUGE;
         // SAFETY: an anonymous private mapping with no address hint has no preconditions.
@@ -44,13 +49,27 @@ impl AlignedBuf {
             )
         };
         if map == libc::MAP_FAILED {
-            panic!("mmap of {map_len} bytes failed: {}", std::io::Error::last_os_error());
+            panic!(
+                "mmap of {map_len} bytes failed: {}",
+                std::io::Error::last_os_error()
+            );
         }
         let start = (map as usize).div_ceil(HUGE) * HUGE;
         // SAFETY: [start, start + len) lies inside the mapping (we over-allocated by HUGE);
         // madvise is only advice and failure is harmless (THP disabled), so its result is ignored.
-        unsafe { libc::madvise(start as *mut libc::c_void, len.div_ceil(HUGE) * HUGE, libc::MADV_HUGEPAGE) };
-        AlignedBuf { ptr: NonNull::new(start as *mut u8).expect("mmap returned null"), len, map, map_len }
+        unsafe {
+            libc::madvise(
+                start as *mut libc::c_void,
+                len.div_ceil(HUGE) * HUGE,
+                libc::MADV_HUGEPAGE,
+            )
+        };
+        AlignedBuf {
+            ptr: NonNull::new(start as *mut u8).expect("mmap returned null"),
+            len,
+            map,
+            map_len,
+        }
     }
 
     pub fn len(&self) -> usize {

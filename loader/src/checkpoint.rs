@@ -36,7 +36,8 @@ impl Checkpoint {
         let index_path = dir.join(INDEX_FILE);
         let single = dir.join(SINGLE_FILE);
         let (files, weight_map) = if index_path.exists() {
-            let text = std::fs::read_to_string(&index_path).map_err(|e| LoadError::io(&index_path, e))?;
+            let text =
+                std::fs::read_to_string(&index_path).map_err(|e| LoadError::io(&index_path, e))?;
             let index: Index = serde_json::from_str(&text)
                 .map_err(|e| LoadError::invalid(&index_path, format!("malformed index: {e}")))?;
             let mut files: Vec<String> = index.weight_map.values().cloned().collect();
@@ -44,10 +45,16 @@ impl Checkpoint {
             files.dedup();
             for f in &files {
                 if f.contains('/') || f.contains("..") {
-                    return Err(LoadError::invalid(&index_path, format!("shard name '{f}' must be a plain file name")));
+                    return Err(LoadError::invalid(
+                        &index_path,
+                        format!("shard name '{f}' must be a plain file name"),
+                    ));
                 }
                 if !dir.join(f).is_file() {
-                    return Err(LoadError::invalid(&index_path, format!("names shard '{f}', which does not exist")));
+                    return Err(LoadError::invalid(
+                        &index_path,
+                        format!("names shard '{f}', which does not exist"),
+                    ));
                 }
             }
             (files, Some(index.weight_map))
@@ -71,7 +78,13 @@ impl Checkpoint {
                         format!("tensor '{}' also appears in {}", t.name, files[prev.shard]),
                     ));
                 }
-                by_name.insert(t.name.clone(), TensorEntry { shard: i, info: t.clone() });
+                by_name.insert(
+                    t.name.clone(),
+                    TensorEntry {
+                        shard: i,
+                        info: t.clone(),
+                    },
+                );
             }
             shards.push(header);
         }
@@ -123,7 +136,12 @@ impl Checkpoint {
     }
 
     /// Checks that `name` exists with `shape` and one of `dtypes`; the error names the shard.
-    pub fn expect(&self, name: &str, shape: &[usize], dtypes: &[Dtype]) -> Result<&TensorEntry, LoadError> {
+    pub fn expect(
+        &self,
+        name: &str,
+        shape: &[usize],
+        dtypes: &[Dtype],
+    ) -> Result<&TensorEntry, LoadError> {
         let e = self.get(name).ok_or_else(|| {
             LoadError::tensor(&self.dir, format!("checkpoint is missing tensor '{name}'"))
         })?;
@@ -131,13 +149,20 @@ impl Checkpoint {
         if e.info.shape != shape {
             return Err(LoadError::tensor(
                 path,
-                format!("tensor '{name}' has shape {:?}, expected {:?}", e.info.shape, shape),
+                format!(
+                    "tensor '{name}' has shape {:?}, expected {:?}",
+                    e.info.shape, shape
+                ),
             ));
         }
         if !dtypes.contains(&e.info.dtype) {
             return Err(LoadError::tensor(
                 path,
-                format!("tensor '{name}' has dtype {}, expected one of {:?}", e.info.dtype, dtypes.iter().map(|d| d.name()).collect::<Vec<_>>()),
+                format!(
+                    "tensor '{name}' has dtype {}, expected one of {:?}",
+                    e.info.dtype,
+                    dtypes.iter().map(|d| d.name()).collect::<Vec<_>>()
+                ),
             ));
         }
         Ok(e)

@@ -57,8 +57,16 @@ impl HostArena {
 
 impl Destination for HostArena {
     fn prepare(&mut self, plan: &LoadPlan) -> Result<(), LoadError> {
-        self.arenas = plan.shards.iter().map(|s| AlignedBuf::zeroed(s.aligned_len as usize)).collect();
-        self.bases = self.arenas.iter_mut().map(|a| a.as_mut_slice().as_mut_ptr() as usize).collect();
+        self.arenas = plan
+            .shards
+            .iter()
+            .map(|s| AlignedBuf::zeroed(s.aligned_len as usize))
+            .collect();
+        self.bases = self
+            .arenas
+            .iter_mut()
+            .map(|a| a.as_mut_slice().as_mut_ptr() as usize)
+            .collect();
         self.aligned_start = plan.shards.iter().map(|s| s.aligned_start).collect();
         Ok(())
     }

@@ -141,9 +141,17 @@ struct Cursor<'a> {
 
 impl<'a> Cursor<'a> {
     fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
-        let end = self.pos.checked_add(n).filter(|&e| e <= self.buf.len()).ok_or_else(|| {
-            format!("truncated GGUF: needs {n} bytes at offset {} but the file has {}", self.pos, self.buf.len())
-        })?;
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|&e| e <= self.buf.len())
+            .ok_or_else(|| {
+                format!(
+                    "truncated GGUF: needs {n} bytes at offset {} but the file has {}",
+                    self.pos,
+                    self.buf.len()
+                )
+            })?;
         let s = &self.buf[self.pos..end];
         self.pos = end;
         Ok(s)
@@ -164,14 +172,21 @@ impl<'a> Cursor<'a> {
         let n = self.u64()?;
         // Any count larger than the bytes left is corrupt; checking here keeps allocations sane.
         if n > (self.buf.len() - self.pos) as u64 {
-            return Err(format!("corrupt GGUF: {what} count {n} exceeds the file size"));
+            return Err(format!(
+                "corrupt GGUF: {what} count {n} exceeds the file size"
+            ));
         }
         Ok(n as usize)
     }
     fn string(&mut self) -> Result<String, String> {
         let n = self.len("string length")?;
         let b = self.take(n)?;
-        String::from_utf8(b.to_vec()).map_err(|_| format!("corrupt GGUF: string at offset {} is not UTF-8", self.pos - n))
+        String::from_utf8(b.to_vec()).map_err(|_| {
+            format!(
+                "corrupt GGUF: string at offset {} is not UTF-8",
+                self.pos - n
+            )
+        })
     }
     fn value(&mut self, ty: u32, depth: u32) -> Result<Value, String> {
         Ok(match ty {
@@ -211,7 +226,8 @@ impl GgufFile {
     }
 
     pub fn parse(path: &Path, data: Vec<u8>) -> Result<GgufFile, LoadError> {
-        let (version, metadata, tensors) = Self::parse_inner(&data).map_err(|m| LoadError::invalid(path, m))?;
+        let (version, metadata, tensors) =
+            Self::parse_inner(&data).map_err(|m| LoadError::invalid(path, m))?;
         Ok(GgufFile {
             path: path.to_path_buf(),
             version,
@@ -224,13 +240,20 @@ impl GgufFile {
     #[allow(clippy::type_complexity)]
     fn parse_inner(data: &[u8]) -> Result<(u32, BTreeMap<String, Value>, Vec<GgufTensor>), String> {
         let mut c = Cursor { buf: data, pos: 0 };
-        let magic = c.take(4).map_err(|_| "not a GGUF file: shorter than its magic".to_string())?;
+        let magic = c
+            .take(4)
+            .map_err(|_| "not a GGUF file: shorter than its magic".to_string())?;
         if magic != b"GGUF" {
-            return Err(format!("not a GGUF file: bad magic {:?}", String::from_utf8_lossy(magic)));
+            return Err(format!(
+                "not a GGUF file: bad magic {:?}",
+                String::from_utf8_lossy(magic)
+            ));
         }
         let version = c.u32()?;
         if !(2..=3).contains(&version) {
-            return Err(format!("unsupported GGUF version {version} (2 and 3 are supported)"));
+            return Err(format!(
+                "unsupported GGUF version {version} (2 and 3 are supported)"
+            ));
         }
         let n_tensors = c.len("tensor")?;
         let n_kv = c.len("metadata")?;
@@ -241,18 +264,27 @@ impl GgufFile {
             let v = c.value(ty, 0)?;
             metadata.insert(key, v);
         }
-        let alignment = metadata.get("general.alignment").and_then(Value::as_u64).unwrap_or(32) as usize;
+        let alignment = metadata
+            .get("general.alignment")
+            .and_then(Value::as_u64)
+            .unwrap_or(32) as usize;
         if alignment == 0 || !alignment.is_power_of_two() {
-            return Err(format!("corrupt GGUF: general.alignment {alignment} is not a power of two"));
+            return Err(format!(
+                "corrupt GGUF: general.alignment {alignment} is not a power of two"
+            ));
         }
         let mut infos = Vec::with_capacity(n_tensors);
         for _ in 0..n_tensors {
             let name = c.string()?;
             let n_dims = c.u32()? as usize;
             if n_dims > 4 {
-                return Err(format!("corrupt GGUF: tensor '{name}' has {n_dims} dimensions"));
+                return Err(format!(
+                    "corrupt GGUF: tensor '{name}' has {n_dims} dimensions"
+                ));
             }
-            let dims = (0..n_dims).map(|_| c.u64().map(|d| d as usize)).collect::<Result<Vec<_>, _>>()?;
+            let dims = (0..n_dims)
+                .map(|_| c.u64().map(|d| d as usize))
+                .collect::<Result<Vec<_>, _>>()?;
             let ty_id = c.u32()?;
             let ty = GgmlType::from_id(ty_id)
                 .ok_or_else(|| format!("tensor '{name}': unsupported ggml type {ty_id}"))?;
@@ -262,7 +294,9 @@ impl GgufFile {
         let data_start = c.pos.div_ceil(alignment) * alignment;
         let mut tensors = Vec::with_capacity(n_tensors);
         for (name, dims, ty, offset) in infos {
-            let numel = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d))
+            let numel = dims
+                .iter()
+                .try_fold(1usize, |a, &d| a.checked_mul(d))
                 .ok_or_else(|| format!("tensor '{name}': dims {dims:?} overflow"))?;
             let (blk, bsize) = ty.block();
             if numel % blk != 0 {
@@ -277,7 +311,13 @@ impl GgufFile {
                     data.len()
                 ));
             }
-            tensors.push(GgufTensor { name, dims, ty, offset: start, nbytes });
+            tensors.push(GgufTensor {
+                name,
+                dims,
+                ty,
+                offset: start,
+                nbytes,
+            });
         }
         Ok((version, metadata, tensors))
     }
@@ -309,9 +349,15 @@ fn f16_at(b: &[u8]) -> f32 {
 pub fn dequantize(ty: GgmlType, raw: &[u8], numel: usize) -> Vec<f32> {
     let mut out = Vec::with_capacity(numel);
     match ty {
-        GgmlType::F32 => out.extend(raw.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap()))),
+        GgmlType::F32 => out.extend(
+            raw.chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap())),
+        ),
         GgmlType::F16 => out.extend(raw.chunks_exact(2).map(f16_at)),
-        GgmlType::BF16 => out.extend(raw.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())),
+        GgmlType::BF16 => out.extend(
+            raw.chunks_exact(2)
+                .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()),
+        ),
         GgmlType::Q8_0 => {
             for b in raw.chunks_exact(34) {
                 let d = f16_at(&b[0..2]);
@@ -374,9 +420,15 @@ mod tests {
     #[test]
     fn rejects_bad_files() {
         let p = Path::new("m.gguf");
-        let e = GgufFile::parse(p, b"GGML\x03\0\0\0".to_vec()).err().unwrap().to_string();
+        let e = GgufFile::parse(p, b"GGML\x03\0\0\0".to_vec())
+            .err()
+            .unwrap()
+            .to_string();
         assert!(e.contains("bad magic"), "{e}");
-        let e = GgufFile::parse(p, b"GG".to_vec()).err().unwrap().to_string();
+        let e = GgufFile::parse(p, b"GG".to_vec())
+            .err()
+            .unwrap()
+            .to_string();
         assert!(e.contains("not a GGUF"), "{e}");
         let mut d = b"GGUF".to_vec();
         d.extend(3u32.to_le_bytes());

@@ -47,7 +47,11 @@ impl HostWeights {
         Self::load_with(checkpoint, &LoadOptions::default(), &mut |_| {})
     }
 
-    pub fn load_with(checkpoint: Checkpoint, opts: &LoadOptions, progress: &mut dyn FnMut(Progress)) -> Result<HostWeights, LoadError> {
+    pub fn load_with(
+        checkpoint: Checkpoint,
+        opts: &LoadOptions,
+        progress: &mut dyn FnMut(Progress),
+    ) -> Result<HostWeights, LoadError> {
         let loaded = read::load(&checkpoint, opts, progress)?;
         Ok(HostWeights {
             bytes: loaded.stats.bytes,
@@ -70,10 +74,12 @@ impl HostWeights {
     }
 
     pub fn tensor(&self, name: &str) -> Result<TensorView<'_>, LoadError> {
-        let e = self
-            .checkpoint
-            .get(name)
-            .ok_or_else(|| LoadError::tensor(&self.checkpoint.dir, format!("checkpoint is missing tensor '{name}'")))?;
+        let e = self.checkpoint.get(name).ok_or_else(|| {
+            LoadError::tensor(
+                &self.checkpoint.dir,
+                format!("checkpoint is missing tensor '{name}'"),
+            )
+        })?;
         Ok(self.view(e))
     }
 }

@@ -32,7 +32,9 @@ pub struct Manifest {
 }
 
 fn file_name(p: &Path) -> String {
-    p.file_name().map(|s| s.to_string_lossy().to_string()).unwrap_or_default()
+    p.file_name()
+        .map(|s| s.to_string_lossy().to_string())
+        .unwrap_or_default()
 }
 
 /// The bytes of `chunk` that the hash covers, given the chunk's full buffer.
@@ -62,9 +64,20 @@ impl Manifest {
                     hash(hashed_part(&plan, c, &data[c.file_off as usize..end]))
                 })
                 .collect();
-            files.insert(file_name(&s.path), ShardHashes { size: s.file_len, chunks: hashes });
+            files.insert(
+                file_name(&s.path),
+                ShardHashes {
+                    size: s.file_len,
+                    chunks: hashes,
+                },
+            );
         }
-        Ok(Manifest { version: 1, hash: "xxh3-64".into(), chunk_size: plan.chunk_size, files })
+        Ok(Manifest {
+            version: 1,
+            hash: "xxh3-64".into(),
+            chunk_size: plan.chunk_size,
+            files,
+        })
     }
 
     pub fn write(&self, dir: &Path) -> Result<(), LoadError> {
@@ -81,9 +94,20 @@ impl Manifest {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(LoadError::io(&p, e)),
         };
-        let m: Manifest = serde_json::from_str(&text).map_err(|e| LoadError::invalid(&p, format!("malformed manifest: {e}")))?;
-        if m.version != 1 || m.hash != "xxh3-64" || m.chunk_size == 0 || m.chunk_size % crate::plan::BLOCK != 0 {
-            return Err(LoadError::invalid(&p, format!("unsupported manifest (version {}, hash {}, chunk {})", m.version, m.hash, m.chunk_size)));
+        let m: Manifest = serde_json::from_str(&text)
+            .map_err(|e| LoadError::invalid(&p, format!("malformed manifest: {e}")))?;
+        if m.version != 1
+            || m.hash != "xxh3-64"
+            || m.chunk_size == 0
+            || !m.chunk_size.is_multiple_of(crate::plan::BLOCK)
+        {
+            return Err(LoadError::invalid(
+                &p,
+                format!(
+                    "unsupported manifest (version {}, hash {}, chunk {})",
+                    m.version, m.hash, m.chunk_size
+                ),
+            ));
         }
         Ok(Some(m))
     }
@@ -96,12 +120,20 @@ impl Manifest {
         for c in &plan.chunks {
             let s = &plan.shards[c.shard];
             let name = file_name(&s.path);
-            let f = self.files.get(&name).ok_or_else(|| LoadError::invalid(&p, format!("has no entry for {name}")))?;
+            let f = self
+                .files
+                .get(&name)
+                .ok_or_else(|| LoadError::invalid(&p, format!("has no entry for {name}")))?;
             if f.size != s.file_len {
-                return Err(LoadError::invalid(&s.path, format!("size {} differs from the manifest's {}", s.file_len, f.size)));
+                return Err(LoadError::invalid(
+                    &s.path,
+                    format!("size {} differs from the manifest's {}", s.file_len, f.size),
+                ));
             }
             let idx = ((c.file_off - s.aligned_start) / plan.chunk_size) as usize;
-            out.push(f.chunks.get(idx).cloned().ok_or_else(|| LoadError::invalid(&p, format!("{name}: no hash for chunk {idx}")))?);
+            out.push(f.chunks.get(idx).cloned().ok_or_else(|| {
+                LoadError::invalid(&p, format!("{name}: no hash for chunk {idx}"))
+            })?);
         }
         Ok(out)
     }

@@ -118,7 +118,11 @@ impl LoadPlan {
                     file_off: aligned_start + off,
                     len: chunk_size.min(aligned_len - off),
                     layer: if l == usize::MAX { n_blocks + 1 } else { l },
-                    last_layer: if l == usize::MAX { n_blocks + 1 } else { last_layer[c] },
+                    last_layer: if l == usize::MAX {
+                        n_blocks + 1
+                    } else {
+                        last_layer[c]
+                    },
                 });
             }
             shards.push(ShardPlan {
@@ -132,7 +136,12 @@ impl LoadPlan {
         }
         // Stable: within a layer, file order (sequential reads stay sequential).
         chunks.sort_by_key(|c| c.layer);
-        LoadPlan { shards, chunks, chunk_size, layers: n_blocks + 2 }
+        LoadPlan {
+            shards,
+            chunks,
+            chunk_size,
+            layers: n_blocks + 2,
+        }
     }
 
     pub fn total_bytes(&self) -> u64 {

@@ -24,9 +24,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use crate::dest::{Destination, HostArena};
 use crate::manifest::{hash, hashed_part, Manifest};
 use crate::plan::{Chunk, LoadPlan};
-use crate::dest::{Destination, HostArena};
 use crate::{AlignedBuf, Checkpoint, LoadError};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,7 +45,11 @@ impl std::str::FromStr for Strategy {
             "uring-direct" | "uring" => Strategy::UringDirect,
             "pread" => Strategy::Pread,
             "mmap" => Strategy::Mmap,
-            _ => return Err(format!("unknown load strategy '{s}' (auto, uring-direct, pread, mmap)")),
+            _ => {
+                return Err(format!(
+                    "unknown load strategy '{s}' (auto, uring-direct, pread, mmap)"
+                ))
+            }
         })
     }
 }
@@ -85,7 +89,9 @@ impl Default for LoadOptions {
             strategy: Strategy::Auto,
             chunk_size: crate::manifest::DEFAULT_CHUNK,
             queue_depth: 16,
-            threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2),
+            threads: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(2),
             verify: Verify::Auto,
         }
     }
@@ -152,7 +158,11 @@ impl LayerTracker {
                 pending[l] += 1;
             }
         }
-        LayerTracker { pending, ready: 0, done: 0 }
+        LayerTracker {
+            pending,
+            ready: 0,
+            done: 0,
+        }
     }
     fn land(&mut self, plan: &LoadPlan, c: &Chunk) -> Progress {
         for l in c.layer..=c.last_layer.min(plan.layers - 1) {
@@ -163,7 +173,9 @@ impl LayerTracker {
             self.ready += 1;
         }
         Progress {
-            bytes_done: self.done.min(plan.shards.iter().map(|s| s.aligned_len).sum()),
+            bytes_done: self
+                .done
+                .min(plan.shards.iter().map(|s| s.aligned_len).sum()),
             bytes_total: plan.shards.iter().map(|s| s.aligned_len).sum(),
             layers_ready: self.ready,
             layers_total: plan.layers,
@@ -177,12 +189,15 @@ pub fn resident_fraction(plan: &LoadPlan) -> f64 {
     for s in &plan.shards {
         let Ok(f) = File::open(&s.path) else { continue };
         // SAFETY: a read-only shared mapping of a file we just opened; only mincore looks at it.
-        let Ok(m) = (unsafe { memmap2::MmapOptions::new().map(&f) }) else { continue };
+        let Ok(m) = (unsafe { memmap2::MmapOptions::new().map(&f) }) else {
+            continue;
+        };
         let page = 4096usize;
         let pages = m.len().div_ceil(page);
         let mut vec = vec![0u8; pages];
         // SAFETY: the mapping is valid for m.len() bytes and vec has one byte per page.
-        let rc = unsafe { libc::mincore(m.as_ptr() as *mut libc::c_void, m.len(), vec.as_mut_ptr()) };
+        let rc =
+            unsafe { libc::mincore(m.as_ptr() as *mut libc::c_void, m.len(), vec.as_mut_ptr()) };
         if rc == 0 {
             res += vec.iter().filter(|&&b| b & 1 == 1).count() as u64;
             total += pages as u64;
@@ -197,11 +212,18 @@ pub fn resident_fraction(plan: &LoadPlan) -> f64 {
 
 fn check_len(plan: &LoadPlan, c: &Chunk, got: u64) -> Result<(), LoadError> {
     let s = &plan.shards[c.shard];
-    let need = (s.data_start + s.data_len).saturating_sub(c.file_off).min(c.len);
+    let need = (s.data_start + s.data_len)
+        .saturating_sub(c.file_off)
+        .min(c.len);
     if got < need {
         return Err(LoadError::invalid(
             &s.path,
-            format!("file ended during the load: bytes {}..{} came back {} short (did it shrink?)", c.file_off, c.file_off + c.len, need - got),
+            format!(
+                "file ended during the load: bytes {}..{} came back {} short (did it shrink?)",
+                c.file_off,
+                c.file_off + c.len,
+                need - got
+            ),
         ));
     }
     Ok(())
@@ -212,7 +234,13 @@ fn verify_chunk(plan: &LoadPlan, c: &Chunk, buf: &[u8], want: &str) -> Result<()
     if got != want {
         let s = &plan.shards[c.shard];
         let end = (s.data_start + s.data_len).min(c.file_off + c.len);
-        return Err(LoadError::invalid(&s.path, format!("integrity check failed for bytes {}..{end}: xxh3 {got}, manifest says {want}", c.file_off)));
+        return Err(LoadError::invalid(
+            &s.path,
+            format!(
+                "integrity check failed for bytes {}..{end}: xxh3 {got}, manifest says {want}",
+                c.file_off
+            ),
+        ));
     }
     Ok(())
 }
@@ -240,22 +268,46 @@ fn begin<'a>(ck: &Checkpoint, opts: &'a LoadOptions) -> Result<Job<'a>, LoadErro
         _ => Manifest::read(&ck.dir)?,
     };
     if manifest.is_none() && opts.verify == Verify::Required {
-        return Err(LoadError::invalid(&ck.dir, "integrity verification required but there is no thaw-manifest.json"));
+        return Err(LoadError::invalid(
+            &ck.dir,
+            "integrity verification required but there is no thaw-manifest.json",
+        ));
     }
-    let chunk_size = manifest.as_ref().map(|m| m.chunk_size).unwrap_or(opts.chunk_size);
+    let chunk_size = manifest
+        .as_ref()
+        .map(|m| m.chunk_size)
+        .unwrap_or(opts.chunk_size);
     let plan = LoadPlan::new(ck, chunk_size);
     let expected = match &manifest {
         Some(m) => Some(m.expected(&plan, &ck.dir)?),
         None => None,
     };
     let resident = resident_fraction(&plan);
-    let stats = LoadStats { bytes: plan.total_bytes(), resident, verified: expected.is_some(), plan_s: t0.elapsed().as_secs_f64(), ..Default::default() };
-    Ok(Job { plan, expected, opts, stats, t0 })
+    let stats = LoadStats {
+        bytes: plan.total_bytes(),
+        resident,
+        verified: expected.is_some(),
+        plan_s: t0.elapsed().as_secs_f64(),
+        ..Default::default()
+    };
+    Ok(Job {
+        plan,
+        expected,
+        opts,
+        stats,
+        t0,
+    })
 }
 
 /// Runs `strategy` (uring-direct or pread) into `dest`, falling back from uring-direct to pread
 /// when the system refuses it. Returns the strategy used.
-fn read_into(ck: &Checkpoint, job: &mut Job<'_>, mut strategy: Strategy, dest: &mut dyn Destination, progress: &mut dyn FnMut(Progress)) -> Result<Strategy, LoadError> {
+fn read_into(
+    ck: &Checkpoint,
+    job: &mut Job<'_>,
+    mut strategy: Strategy,
+    dest: &mut dyn Destination,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<Strategy, LoadError> {
     dest.prepare(&job.plan)?;
     let t_io = Instant::now();
     let mut verify_time = Duration::ZERO;
@@ -263,8 +315,24 @@ fn read_into(ck: &Checkpoint, job: &mut Job<'_>, mut strategy: Strategy, dest: &
         let mut tracker = LayerTracker::new(&job.plan);
         let expected = job.expected.as_deref();
         let r = match strategy {
-            Strategy::Pread => load_pread(&job.plan, job.opts.threads, expected, &*dest, &mut tracker, progress, &mut verify_time),
-            _ => load_uring(&job.plan, job.opts, expected, &*dest, &mut tracker, progress, &mut verify_time),
+            Strategy::Pread => load_pread(
+                &job.plan,
+                job.opts.threads,
+                expected,
+                &*dest,
+                &mut tracker,
+                progress,
+                &mut verify_time,
+            ),
+            _ => load_uring(
+                &job.plan,
+                job.opts,
+                expected,
+                &*dest,
+                &mut tracker,
+                progress,
+                &mut verify_time,
+            ),
         };
         match r {
             Ok(()) => break,
@@ -288,7 +356,11 @@ fn finish(job: &mut Job<'_>, strategy: Strategy) {
 }
 
 /// Loads every shard of `ck` into host memory with `opts`, calling `progress` as chunks land.
-pub fn load(ck: &Checkpoint, opts: &LoadOptions, progress: &mut dyn FnMut(Progress)) -> Result<Loaded, LoadError> {
+pub fn load(
+    ck: &Checkpoint,
+    opts: &LoadOptions,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<Loaded, LoadError> {
     let mut job = begin(ck, opts)?;
     let strategy = match opts.strategy {
         // Resident: use the page cache in place — nothing to read, nothing to copy.
@@ -300,7 +372,13 @@ pub fn load(ck: &Checkpoint, opts: &LoadOptions, progress: &mut dyn FnMut(Progre
         let t_io = Instant::now();
         let mut verify_time = Duration::ZERO;
         let mut tracker = LayerTracker::new(&job.plan);
-        let maps = match load_mmap(&job.plan, job.expected.as_deref(), &mut tracker, progress, &mut verify_time) {
+        let maps = match load_mmap(
+            &job.plan,
+            job.expected.as_deref(),
+            &mut tracker,
+            progress,
+            &mut verify_time,
+        ) {
             Ok(m) => m,
             Err(Failed(e)) => return Err(e),
             Err(Refused(r)) => return Err(LoadError::invalid(&ck.dir, r)),
@@ -309,21 +387,38 @@ pub fn load(ck: &Checkpoint, opts: &LoadOptions, progress: &mut dyn FnMut(Progre
         job.stats.io_s = t_io.elapsed().as_secs_f64() - job.stats.verify_s;
         finish(&mut job, strategy);
         let data_offset = job.plan.shards.iter().map(|s| s.data_start).collect();
-        return Ok(Loaded { backing: maps, data_offset, stats: job.stats });
+        return Ok(Loaded {
+            backing: maps,
+            data_offset,
+            stats: job.stats,
+        });
     }
     let mut dest = HostArena::new();
     let used = read_into(ck, &mut job, strategy, &mut dest, progress)?;
     finish(&mut job, used);
     let data_offset = job.plan.shards.iter().map(|s| s.data_offset()).collect();
-    Ok(Loaded { backing: dest.into_arenas().into_iter().map(Backing::Arena).collect(), data_offset, stats: job.stats })
+    Ok(Loaded {
+        backing: dest.into_arenas().into_iter().map(Backing::Arena).collect(),
+        data_offset,
+        stats: job.stats,
+    })
 }
 
 /// Loads every shard of `ck` into any [`Destination`] (`mmap` and `auto` read with
 /// uring-direct here: there is no in-place use outside host memory). Returns the plan the
 /// destination was prepared with, and the stats.
-pub fn load_into(ck: &Checkpoint, opts: &LoadOptions, dest: &mut dyn Destination, progress: &mut dyn FnMut(Progress)) -> Result<(LoadPlan, LoadStats), LoadError> {
+pub fn load_into(
+    ck: &Checkpoint,
+    opts: &LoadOptions,
+    dest: &mut dyn Destination,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<(LoadPlan, LoadStats), LoadError> {
     let mut job = begin(ck, opts)?;
-    let strategy = if opts.strategy == Strategy::Pread { Strategy::Pread } else { Strategy::UringDirect };
+    let strategy = if opts.strategy == Strategy::Pread {
+        Strategy::Pread
+    } else {
+        Strategy::UringDirect
+    };
     let used = read_into(ck, &mut job, strategy, dest, progress)?;
     finish(&mut job, used);
     Ok((job.plan, job.stats))
@@ -361,7 +456,8 @@ fn load_pread(
         .collect::<Result<Vec<_>, _>>()?;
     let threads = threads.clamp(1, dest.max_regions());
     let next = AtomicUsize::new(0);
-    let landed: Mutex<(Vec<usize>, Option<LoadError>, Duration)> = Mutex::new((Vec::new(), None, Duration::ZERO));
+    let landed: Mutex<(Vec<usize>, Option<LoadError>, Duration)> =
+        Mutex::new((Vec::new(), None, Duration::ZERO));
     std::thread::scope(|scope| {
         for _ in 0..threads {
             scope.spawn(|| loop {
@@ -393,10 +489,12 @@ fn load_pread(
                         }
                     }
                     let t = Instant::now();
-                    r = r.and_then(|_| check_len(plan, c, got as u64)).and_then(|_| match expected {
-                        Some(h) => verify_chunk(plan, c, buf, &h[i]),
-                        None => Ok(()),
-                    });
+                    r = r.and_then(|_| check_len(plan, c, got as u64)).and_then(
+                        |_| match expected {
+                            Some(h) => verify_chunk(plan, c, buf, &h[i]),
+                            None => Ok(()),
+                        },
+                    );
                     verify = t.elapsed();
                     result = r.and_then(|_| dest.landed(i, c, got as u64)).map(|_| ptr);
                 }
@@ -447,19 +545,25 @@ fn load_mmap(
         let f = File::open(&s.path).map_err(|e| LoadError::io(&s.path, e))?;
         let len = f.metadata().map_err(|e| LoadError::io(&s.path, e))?.len();
         if len < s.data_start + s.data_len {
-            return Err(Failed(LoadError::invalid(&s.path, format!("file shrank to {len} bytes since its header was read"))));
+            return Err(Failed(LoadError::invalid(
+                &s.path,
+                format!("file shrank to {len} bytes since its header was read"),
+            )));
         }
         // SAFETY: a private read-only mapping. If another process truncates the file while it is
         // mapped, reads fault (SIGBUS) — the accepted contract of in-place loading, as with
         // llama.cpp's mmap; the size check above catches truncation before the load.
-        let m = unsafe { memmap2::MmapOptions::new().populate().map(&f) }.map_err(|e| LoadError::io(&s.path, e))?;
+        let m = unsafe { memmap2::MmapOptions::new().populate().map(&f) }
+            .map_err(|e| LoadError::io(&s.path, e))?;
         maps.push(m);
     }
     if let Some(h) = expected {
         // Hash on every core: in place, verification is the only work left.
         let t = Instant::now();
         let next = AtomicUsize::new(0);
-        let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        let threads = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1);
         let errors: Mutex<Option<LoadError>> = Mutex::new(None);
         std::thread::scope(|scope| {
             for _ in 0..threads {
@@ -472,7 +576,10 @@ fn load_mmap(
                     let m = &maps[c.shard];
                     let end = ((c.file_off + c.len) as usize).min(m.len());
                     if let Err(e) = verify_chunk(plan, c, &m[c.file_off as usize..end], &h[i]) {
-                        errors.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
+                        errors
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .get_or_insert(e);
                         break;
                     }
                 });
@@ -497,7 +604,10 @@ struct RegionPtr(*mut u8);
 unsafe impl Send for RegionPtr {}
 
 /// Sends completed chunks (index, region, bytes) to the hashing helper; receives verdicts.
-type Verifier = (std::sync::mpsc::Sender<(usize, RegionPtr, u64)>, std::sync::mpsc::Receiver<(usize, Result<(), LoadError>, Duration)>);
+type Verifier = (
+    std::sync::mpsc::Sender<(usize, RegionPtr, u64)>,
+    std::sync::mpsc::Receiver<(usize, Result<(), LoadError>, Duration)>,
+);
 
 #[allow(clippy::too_many_arguments)]
 fn load_uring(
@@ -513,10 +623,17 @@ fn load_uring(
 
     let mut files = Vec::with_capacity(plan.shards.len());
     for s in &plan.shards {
-        match std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(&s.path) {
+        match std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&s.path)
+        {
             Ok(f) => files.push(f),
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                return Err(Refused(format!("O_DIRECT refused on {} ({e})", s.path.display())))
+                return Err(Refused(format!(
+                    "O_DIRECT refused on {} ({e})",
+                    s.path.display()
+                )))
             }
             Err(e) => return Err(Failed(LoadError::io(&s.path, e))),
         }
@@ -557,7 +674,17 @@ fn load_uring(
             }
         });
         let verifier = expected.map(|_| (job_tx, done_rx));
-        let r = uring_reads(plan, &files, depth, dest, prefaulted, verifier, tracker, progress, verify_time);
+        let r = uring_reads(
+            plan,
+            &files,
+            depth,
+            dest,
+            prefaulted,
+            verifier,
+            tracker,
+            progress,
+            verify_time,
+        );
         stop.store(true, Ordering::Relaxed);
         r
     })
@@ -601,28 +728,43 @@ fn uring_reads(
     verify_time: &mut Duration,
 ) -> Result<(), LoadFailure> {
     use io_uring::{opcode, types, IoUring};
-    let mut ring = IoUring::new(depth as u32).map_err(|e| Refused(format!("io_uring unavailable ({e})")))?;
+    let mut ring =
+        IoUring::new(depth as u32).map_err(|e| Refused(format!("io_uring unavailable ({e})")))?;
     // Per chunk: its region and the bytes read so far (short reads are resubmitted).
     let mut region: Vec<*mut u8> = vec![std::ptr::null_mut(); plan.chunks.len()];
     let mut got = vec![0u64; plan.chunks.len()];
     let (mut next, mut in_flight, mut landed, mut hashing) = (0usize, 0usize, 0usize, 0usize);
-    let submit = |ring: &mut IoUring, i: usize, ptr: *mut u8, got: u64| -> Result<(), LoadFailure> {
-        let c = &plan.chunks[i];
-        // SAFETY: `ptr` + `got` stays inside chunk i's region (c.len bytes), which the
-        // destination gave to us alone; we drain the ring before returning.
-        let sqe = opcode::Read::new(types::Fd(files[c.shard].as_raw_fd()), unsafe { ptr.add(got as usize) }, (c.len - got) as u32)
+    let submit =
+        |ring: &mut IoUring, i: usize, ptr: *mut u8, got: u64| -> Result<(), LoadFailure> {
+            let c = &plan.chunks[i];
+            // SAFETY: `ptr` + `got` stays inside chunk i's region (c.len bytes), which the
+            // destination gave to us alone; we drain the ring before returning.
+            let sqe = opcode::Read::new(
+                types::Fd(files[c.shard].as_raw_fd()),
+                unsafe { ptr.add(got as usize) },
+                (c.len - got) as u32,
+            )
             .offset(c.file_off + got)
             .build()
             .user_data(i as u64);
-        // SAFETY: the buffer stays valid and unaliased until the completion is reaped.
-        unsafe { ring.submission().push(&sqe) }.map_err(|_| Failed(LoadError::invalid(&plan.shards[c.shard].path, "io_uring submission queue full")))?;
-        Ok(())
-    };
+            // SAFETY: the buffer stays valid and unaliased until the completion is reaped.
+            unsafe { ring.submission().push(&sqe) }.map_err(|_| {
+                Failed(LoadError::invalid(
+                    &plan.shards[c.shard].path,
+                    "io_uring submission queue full",
+                ))
+            })?;
+            Ok(())
+        };
     let mut failure: Option<LoadFailure> = None;
     while landed < plan.chunks.len() {
         // Regions are held from submission until landed (through hashing), so they count
         // against the destination's cap separately from reads in flight.
-        while failure.is_none() && in_flight < depth && in_flight + hashing < dest.max_regions() && next < plan.chunks.len() {
+        while failure.is_none()
+            && in_flight < depth
+            && in_flight + hashing < dest.max_regions()
+            && next < plan.chunks.len()
+        {
             if prefaulted.load(Ordering::Acquire) <= next {
                 if in_flight > 0 {
                     break; // reap completions meanwhile
@@ -646,19 +788,35 @@ fn uring_reads(
             if let (Some((_, rx)), true) = (&verifier, hashing > 0 && failure.is_none()) {
                 let Ok(v) = rx.recv() else { break };
                 hashing -= 1;
-                take_verdict(plan, v, &got, dest, &mut landed, verify_time, &mut failure, tracker, progress);
+                take_verdict(
+                    plan,
+                    v,
+                    &got,
+                    dest,
+                    &mut landed,
+                    verify_time,
+                    &mut failure,
+                    tracker,
+                    progress,
+                );
                 continue;
             }
             break;
         }
         if let Err(e) = ring.submit_and_wait(1) {
             if e.raw_os_error() != Some(libc::EINTR) {
-                failure.get_or_insert(Failed(LoadError::invalid(&plan.shards[0].path, format!("io_uring wait failed: {e}"))));
+                failure.get_or_insert(Failed(LoadError::invalid(
+                    &plan.shards[0].path,
+                    format!("io_uring wait failed: {e}"),
+                )));
                 break;
             }
             continue;
         }
-        let cqes: Vec<(usize, i32)> = ring.completion().map(|c| (c.user_data() as usize, c.result())).collect();
+        let cqes: Vec<(usize, i32)> = ring
+            .completion()
+            .map(|c| (c.user_data() as usize, c.result()))
+            .collect();
         for (i, res) in cqes {
             in_flight -= 1;
             let c = &plan.chunks[i];
@@ -666,7 +824,10 @@ fn uring_reads(
             if res < 0 {
                 let err = std::io::Error::from_raw_os_error(-res);
                 if res == -libc::EINVAL && landed == 0 {
-                    failure.get_or_insert(Refused(format!("O_DIRECT read refused on {} ({err})", s.path.display())));
+                    failure.get_or_insert(Refused(format!(
+                        "O_DIRECT read refused on {} ({err})",
+                        s.path.display()
+                    )));
                 } else {
                     failure.get_or_insert(Failed(LoadError::io(&s.path, err)));
                 }
@@ -692,14 +853,34 @@ fn uring_reads(
                     let _ = tx.send((i, RegionPtr(region[i]), got[i]));
                     hashing += 1;
                 }
-                None => take_verdict(plan, (i, Ok(()), Duration::ZERO), &got, dest, &mut landed, verify_time, &mut failure, tracker, progress),
+                None => take_verdict(
+                    plan,
+                    (i, Ok(()), Duration::ZERO),
+                    &got,
+                    dest,
+                    &mut landed,
+                    verify_time,
+                    &mut failure,
+                    tracker,
+                    progress,
+                ),
             }
         }
         if let Some((_, rx)) = &verifier {
             // Collect the verdicts that are ready.
             while let Ok(v) = rx.try_recv() {
                 hashing -= 1;
-                take_verdict(plan, v, &got, dest, &mut landed, verify_time, &mut failure, tracker, progress);
+                take_verdict(
+                    plan,
+                    v,
+                    &got,
+                    dest,
+                    &mut landed,
+                    verify_time,
+                    &mut failure,
+                    tracker,
+                    progress,
+                );
             }
         }
         if failure.is_some() && in_flight == 0 {

@@ -71,7 +71,8 @@ impl ShardHeader {
                 format!("truncated safetensors file: {file_len} bytes, shorter than the 8-byte header length"),
             ));
         }
-        f.read_exact(&mut len_bytes).map_err(|e| LoadError::io(path, e))?;
+        f.read_exact(&mut len_bytes)
+            .map_err(|e| LoadError::io(path, e))?;
         let header_len = u64::from_le_bytes(len_bytes);
         if header_len > MAX_HEADER_LEN {
             return Err(LoadError::invalid(
@@ -86,16 +87,19 @@ impl ShardHeader {
             ));
         }
         let mut json = vec![0u8; header_len as usize];
-        f.read_exact(&mut json).map_err(|e| LoadError::io(path, e))?;
+        f.read_exact(&mut json)
+            .map_err(|e| LoadError::io(path, e))?;
         Self::parse(path, &json, file_len)
     }
 
     /// Validates header JSON bytes for a file of `file_len` bytes.
     pub fn parse(path: &Path, json: &[u8], file_len: u64) -> Result<ShardHeader, LoadError> {
         let bad = |msg: String| LoadError::invalid(path, msg);
-        let text = std::str::from_utf8(json).map_err(|_| bad("header is not valid UTF-8".into()))?;
-        let map: serde_json::Map<String, serde_json::Value> = serde_json::from_str(text.trim_end_matches(' '))
-            .map_err(|e| bad(format!("header is not a JSON object: {e}")))?;
+        let text =
+            std::str::from_utf8(json).map_err(|_| bad("header is not valid UTF-8".into()))?;
+        let map: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(text.trim_end_matches(' '))
+                .map_err(|e| bad(format!("header is not a JSON object: {e}")))?;
         let data_start = 8 + json.len() as u64;
         let mut metadata = BTreeMap::new();
         let mut tensors = Vec::with_capacity(map.len());
@@ -112,7 +116,9 @@ impl ShardHeader {
                 .ok_or_else(|| bad(format!("tensor '{name}': unknown dtype '{}'", raw.dtype)))?;
             let (begin, end) = raw.data_offsets;
             if end < begin {
-                return Err(bad(format!("tensor '{name}': data_offsets [{begin}, {end}] end before begin")));
+                return Err(bad(format!(
+                    "tensor '{name}': data_offsets [{begin}, {end}] end before begin"
+                )));
             }
             let numel = raw
                 .shape
@@ -146,13 +152,22 @@ impl ShardHeader {
             if pair[1].begin < pair[0].end {
                 return Err(bad(format!(
                     "tensors '{}' [{}, {}] and '{}' [{}, {}] overlap",
-                    pair[0].name, pair[0].begin, pair[0].end, pair[1].name, pair[1].begin, pair[1].end
+                    pair[0].name,
+                    pair[0].begin,
+                    pair[0].end,
+                    pair[1].name,
+                    pair[1].begin,
+                    pair[1].end
                 )));
             }
         }
         let data_len = tensors.iter().map(|t| t.end).max().unwrap_or(0);
         if data_start + data_len > file_len {
-            let last = tensors.iter().max_by_key(|t| t.end).map(|t| t.name.as_str()).unwrap_or("");
+            let last = tensors
+                .iter()
+                .max_by_key(|t| t.end)
+                .map(|t| t.name.as_str())
+                .unwrap_or("");
             return Err(bad(format!(
                 "truncated safetensors file: tensor '{last}' ends at byte {} but the file has {file_len}",
                 data_start + data_len
@@ -189,14 +204,35 @@ mod tests {
     #[test]
     fn rejects_bad_headers() {
         let cases = [
-            (r#"{"a":{"dtype":"Q9","shape":[2],"data_offsets":[0,4]}}"#, "unknown dtype 'Q9'"),
-            (r#"{"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#, "needs 12 bytes"),
-            (r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}"#, "overlap"),
-            (r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}}"#, "end before begin"),
-            (r#"{"a":{"dtype":"F32","shape":[4000],"data_offsets":[0,16000]}}"#, "truncated"),
+            (
+                r#"{"a":{"dtype":"Q9","shape":[2],"data_offsets":[0,4]}}"#,
+                "unknown dtype 'Q9'",
+            ),
+            (
+                r#"{"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#,
+                "needs 12 bytes",
+            ),
+            (
+                r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}"#,
+                "overlap",
+            ),
+            (
+                r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}}"#,
+                "end before begin",
+            ),
+            (
+                r#"{"a":{"dtype":"F32","shape":[4000],"data_offsets":[0,16000]}}"#,
+                "truncated",
+            ),
             (r#"[1,2]"#, "not a JSON object"),
-            (r#"{"a":{"dtype":"F32","shape":[18446744073709551615,2],"data_offsets":[0,8]}}"#, "overflows"),
-            (r#"{"a":{"dtype":"F32","data_offsets":[0,8]}}"#, "malformed entry"),
+            (
+                r#"{"a":{"dtype":"F32","shape":[18446744073709551615,2],"data_offsets":[0,8]}}"#,
+                "overflows",
+            ),
+            (
+                r#"{"a":{"dtype":"F32","data_offsets":[0,8]}}"#,
+                "malformed entry",
+            ),
         ];
         for (j, want) in cases {
             let err = parse(j, 8 + j.len() as u64 + 64).unwrap_err().to_string();

@@ -6,7 +6,9 @@ use std::sync::Mutex;
 
 use thaw_loader::plan::{Chunk, LoadPlan};
 use thaw_loader::read::load_into;
-use thaw_loader::{AlignedBuf, Checkpoint, Destination, LoadError, LoadOptions, Manifest, Strategy, Verify};
+use thaw_loader::{
+    AlignedBuf, Checkpoint, Destination, LoadError, LoadOptions, Manifest, Strategy, Verify,
+};
 
 struct StagingRing {
     bufs: Vec<Mutex<AlignedBuf>>,
@@ -24,7 +26,10 @@ struct StagingRing {
 impl StagingRing {
     fn new(n: usize, size: usize) -> StagingRing {
         let mut bufs: Vec<AlignedBuf> = (0..n).map(|_| AlignedBuf::zeroed(size)).collect();
-        let ptrs = bufs.iter_mut().map(|b| b.as_mut_slice().as_mut_ptr() as usize).collect();
+        let ptrs = bufs
+            .iter_mut()
+            .map(|b| b.as_mut_slice().as_mut_ptr() as usize)
+            .collect();
         StagingRing {
             bufs: bufs.into_iter().map(Mutex::new).collect(),
             ptrs,
@@ -42,7 +47,11 @@ impl StagingRing {
 
 impl Destination for StagingRing {
     fn prepare(&mut self, plan: &LoadPlan) -> Result<(), LoadError> {
-        *self.device.lock().unwrap() = plan.shards.iter().map(|s| vec![0u8; s.aligned_len as usize]).collect();
+        *self.device.lock().unwrap() = plan
+            .shards
+            .iter()
+            .map(|s| vec![0u8; s.aligned_len as usize])
+            .collect();
         self.aligned_start = plan.shards.iter().map(|s| s.aligned_start).collect();
         Ok(())
     }
@@ -50,7 +59,12 @@ impl Destination for StagingRing {
         self.bufs.len()
     }
     fn region(&self, i: usize, _c: &Chunk) -> Result<*mut u8, LoadError> {
-        let b = self.free.lock().unwrap().pop().expect("a region was requested with every staging buffer in use");
+        let b = self
+            .free
+            .lock()
+            .unwrap()
+            .pop()
+            .expect("a region was requested with every staging buffer in use");
         self.owner.lock().unwrap().insert(i, b);
         let now = self.out.fetch_add(1, Ordering::SeqCst) + 1;
         self.max_out.fetch_max(now, Ordering::SeqCst);
@@ -58,11 +72,17 @@ impl Destination for StagingRing {
         Ok(self.ptrs[b] as *mut u8)
     }
     fn landed(&self, i: usize, c: &Chunk, len: u64) -> Result<(), LoadError> {
-        let b = self.owner.lock().unwrap().remove(&i).expect("landed without a region");
+        let b = self
+            .owner
+            .lock()
+            .unwrap()
+            .remove(&i)
+            .expect("landed without a region");
         let off = (c.file_off - self.aligned_start[c.shard]) as usize;
         {
             let buf = self.bufs[b].lock().unwrap();
-            self.device.lock().unwrap()[c.shard][off..off + len as usize].copy_from_slice(&buf.as_slice()[..len as usize]);
+            self.device.lock().unwrap()[c.shard][off..off + len as usize]
+                .copy_from_slice(&buf.as_slice()[..len as usize]);
         }
         self.order.lock().unwrap().push(i);
         self.out.fetch_sub(1, Ordering::SeqCst);
@@ -88,21 +108,42 @@ fn staging_ring_reuses_buffers_and_reassembles_every_byte() {
         bytes.extend((0..off).map(|i| (i * 7 + name.len()) as u8));
         std::fs::write(d.path().join(name), bytes).unwrap();
     };
-    mk("model-00001-of-00002.safetensors", &[("model.embed_tokens.weight", 300_001), ("model.layers.0.w", 123_457)]);
-    mk("model-00002-of-00002.safetensors", &[("model.layers.1.w", 200_003), ("model.norm.weight", 99)]);
+    mk(
+        "model-00001-of-00002.safetensors",
+        &[
+            ("model.embed_tokens.weight", 300_001),
+            ("model.layers.0.w", 123_457),
+        ],
+    );
+    mk(
+        "model-00002-of-00002.safetensors",
+        &[("model.layers.1.w", 200_003), ("model.norm.weight", 99)],
+    );
     std::fs::write(
         d.path().join("model.safetensors.index.json"),
         r#"{"weight_map":{"model.embed_tokens.weight":"model-00001-of-00002.safetensors","model.layers.0.w":"model-00001-of-00002.safetensors","model.layers.1.w":"model-00002-of-00002.safetensors","model.norm.weight":"model-00002-of-00002.safetensors"}}"#,
     )
     .unwrap();
     let ck = Checkpoint::open(d.path()).unwrap();
-    Manifest::build(&ck, 64 << 10).unwrap().write(d.path()).unwrap();
+    Manifest::build(&ck, 64 << 10)
+        .unwrap()
+        .write(d.path())
+        .unwrap();
     for strategy in [Strategy::UringDirect, Strategy::Pread] {
         let mut ring = StagingRing::new(2, 64 << 10);
-        let opts = LoadOptions { strategy, chunk_size: 64 << 10, queue_depth: 8, threads: 4, verify: Verify::Required };
+        let opts = LoadOptions {
+            strategy,
+            chunk_size: 64 << 10,
+            queue_depth: 8,
+            threads: 4,
+            verify: Verify::Required,
+        };
         let (plan, stats) = load_into(&ck, &opts, &mut ring, &mut |_| {}).unwrap();
         assert!(stats.verified);
-        assert!(ring.max_out.load(Ordering::SeqCst) <= 2, "{strategy:?}: more regions out than buffers");
+        assert!(
+            ring.max_out.load(Ordering::SeqCst) <= 2,
+            "{strategy:?}: more regions out than buffers"
+        );
         assert_eq!(ring.regions.load(Ordering::SeqCst), plan.chunks.len());
         assert!(plan.chunks.len() > 4, "buffers must be reused");
         // Every tensor's bytes arrived at its place on the "device".
@@ -111,7 +152,11 @@ fn staging_ring_reuses_buffers_and_reassembles_every_byte() {
             let file = std::fs::read(&s.path).unwrap();
             let data = &file[s.data_start as usize..(s.data_start + s.data_len) as usize];
             let off = s.data_offset() as usize;
-            assert_eq!(&device[si][off..off + data.len()], data, "{strategy:?} shard {si}");
+            assert_eq!(
+                &device[si][off..off + data.len()],
+                data,
+                "{strategy:?} shard {si}"
+            );
         }
         // Layer 0's chunks were issued first (pread lands in any order; uring in issue order).
         let order = ring.order.lock().unwrap();

@@ -5,7 +5,12 @@ use std::path::{Path, PathBuf};
 
 use thaw_loader::{Checkpoint, HostWeights, LoadOptions, Manifest, Strategy, Verify};
 
-const STRATEGIES: [Strategy; 4] = [Strategy::UringDirect, Strategy::Pread, Strategy::Mmap, Strategy::Auto];
+const STRATEGIES: [Strategy; 4] = [
+    Strategy::UringDirect,
+    Strategy::Pread,
+    Strategy::Mmap,
+    Strategy::Auto,
+];
 
 /// Writes a safetensors file holding `tensors` (name, f32 values) in the given order.
 fn write_st(path: &Path, tensors: &[(&str, Vec<f32>)]) {
@@ -16,7 +21,7 @@ fn write_st(path: &Path, tensors: &[(&str, Vec<f32>)]) {
         off += 4 * v.len();
     }
     let mut h = serde_json::to_string(&header).unwrap();
-    while (8 + h.len()) % 8 != 0 {
+    while !(8 + h.len()).is_multiple_of(8) {
         h.push(' ');
     }
     let mut bytes = (h.len() as u64).to_le_bytes().to_vec();
@@ -30,9 +35,15 @@ fn write_st(path: &Path, tensors: &[(&str, Vec<f32>)]) {
 /// A checkpoint of `layers` blocks with ~`per_tensor` floats per tensor, written in *reverse*
 /// layer order so the plan has to reorder it.
 fn checkpoint(dir: &Path, layers: usize, per_tensor: usize) -> Vec<(String, Vec<f32>)> {
-    let mut t: Vec<(String, Vec<f32>)> = vec![("model.embed_tokens.weight".into(), (0..per_tensor).map(|i| i as f32).collect())];
+    let mut t: Vec<(String, Vec<f32>)> = vec![(
+        "model.embed_tokens.weight".into(),
+        (0..per_tensor).map(|i| i as f32).collect(),
+    )];
     for l in 0..layers {
-        t.push((format!("model.layers.{l}.mlp.up_proj.weight"), (0..per_tensor).map(|i| (l * 1000 + i) as f32).collect()));
+        t.push((
+            format!("model.layers.{l}.mlp.up_proj.weight"),
+            (0..per_tensor).map(|i| (l * 1000 + i) as f32).collect(),
+        ));
     }
     t.push(("model.norm.weight".into(), vec![1.0; 7]));
     let mut rev: Vec<(&str, Vec<f32>)> = t.iter().map(|(n, v)| (n.as_str(), v.clone())).collect();
@@ -42,28 +53,51 @@ fn checkpoint(dir: &Path, layers: usize, per_tensor: usize) -> Vec<(String, Vec<
 }
 
 fn opts(strategy: Strategy, verify: Verify) -> LoadOptions {
-    LoadOptions { strategy, chunk_size: 64 << 10, queue_depth: 4, threads: 2, verify }
+    LoadOptions {
+        strategy,
+        chunk_size: 64 << 10,
+        queue_depth: 4,
+        threads: 2,
+        verify,
+    }
 }
 
 #[test]
 fn every_strategy_loads_identical_tensors_in_layer_order() {
     let d = tempfile::tempdir().unwrap();
     let tensors = checkpoint(d.path(), 6, 40_000);
-    Manifest::build(&Checkpoint::open(d.path()).unwrap(), 64 << 10).unwrap().write(d.path()).unwrap();
+    Manifest::build(&Checkpoint::open(d.path()).unwrap(), 64 << 10)
+        .unwrap()
+        .write(d.path())
+        .unwrap();
     for s in STRATEGIES {
         let mut events = vec![];
-        let w = HostWeights::load_with(Checkpoint::open(d.path()).unwrap(), &opts(s, Verify::Required), &mut |p| events.push(p)).unwrap();
+        let w = HostWeights::load_with(
+            Checkpoint::open(d.path()).unwrap(),
+            &opts(s, Verify::Required),
+            &mut |p| events.push(p),
+        )
+        .unwrap();
         assert!(w.stats.verified, "{s:?}");
         for (name, want) in &tensors {
-            assert_eq!(w.tensor(name).unwrap().as_f32().unwrap(), &want[..], "{s:?} {name}");
+            assert_eq!(
+                w.tensor(name).unwrap().as_f32().unwrap(),
+                &want[..],
+                "{s:?} {name}"
+            );
         }
         // Layers become ready front to back and all of them do.
         let last = events.last().unwrap();
         assert_eq!(last.layers_ready, last.layers_total, "{s:?}");
-        assert!(events.windows(2).all(|p| p[0].layers_ready <= p[1].layers_ready));
+        assert!(events
+            .windows(2)
+            .all(|p| p[0].layers_ready <= p[1].layers_ready));
         // The embeddings (written last in the file) were ready before the final layer.
         let first_ready = events.iter().position(|p| p.layers_ready >= 1).unwrap();
-        assert!(first_ready < events.len() - 1, "{s:?}: layer 0 only ready at the end");
+        assert!(
+            first_ready < events.len() - 1,
+            "{s:?}: layer 0 only ready at the end"
+        );
     }
 }
 
@@ -71,7 +105,10 @@ fn every_strategy_loads_identical_tensors_in_layer_order() {
 fn manifest_mismatch_names_shard_and_range() {
     let d = tempfile::tempdir().unwrap();
     checkpoint(d.path(), 4, 50_000);
-    Manifest::build(&Checkpoint::open(d.path()).unwrap(), 64 << 10).unwrap().write(d.path()).unwrap();
+    Manifest::build(&Checkpoint::open(d.path()).unwrap(), 64 << 10)
+        .unwrap()
+        .write(d.path())
+        .unwrap();
     // Flip one byte well inside the data.
     let p = d.path().join("model.safetensors");
     let mut bytes = std::fs::read(&p).unwrap();
@@ -79,13 +116,40 @@ fn manifest_mismatch_names_shard_and_range() {
     bytes[at] ^= 0x40;
     std::fs::write(&p, bytes).unwrap();
     for s in STRATEGIES {
-        let err = HostWeights::load_with(Checkpoint::open(d.path()).unwrap(), &opts(s, Verify::Auto), &mut |_| {}).err().unwrap().to_string();
-        assert!(err.contains("model.safetensors") && err.contains("integrity check failed for bytes"), "{s:?}: {err}");
-        let range: Vec<u64> = err.split("bytes ").nth(1).unwrap().split(':').next().unwrap().split("..").map(|x| x.parse().unwrap()).collect();
-        assert!(range[0] <= at as u64 && (at as u64) < range[1], "{s:?}: {at} not in {range:?}");
+        let err = HostWeights::load_with(
+            Checkpoint::open(d.path()).unwrap(),
+            &opts(s, Verify::Auto),
+            &mut |_| {},
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(
+            err.contains("model.safetensors") && err.contains("integrity check failed for bytes"),
+            "{s:?}: {err}"
+        );
+        let range: Vec<u64> = err
+            .split("bytes ")
+            .nth(1)
+            .unwrap()
+            .split(':')
+            .next()
+            .unwrap()
+            .split("..")
+            .map(|x| x.parse().unwrap())
+            .collect();
+        assert!(
+            range[0] <= at as u64 && (at as u64) < range[1],
+            "{s:?}: {at} not in {range:?}"
+        );
     }
     // Without verification the same load succeeds (nothing else notices a flipped bit).
-    assert!(HostWeights::load_with(Checkpoint::open(d.path()).unwrap(), &opts(Strategy::Pread, Verify::Off), &mut |_| {}).is_ok());
+    assert!(HostWeights::load_with(
+        Checkpoint::open(d.path()).unwrap(),
+        &opts(Strategy::Pread, Verify::Off),
+        &mut |_| {}
+    )
+    .is_ok());
 }
 
 #[test]
@@ -96,9 +160,21 @@ fn shard_that_shrinks_after_open_fails_cleanly() {
         let ck = Checkpoint::open(d.path()).unwrap();
         let p = d.path().join("model.safetensors");
         let len = std::fs::metadata(&p).unwrap().len();
-        std::fs::OpenOptions::new().write(true).open(&p).unwrap().set_len(len / 2).unwrap();
-        let err = HostWeights::load_with(ck, &opts(s, Verify::Off), &mut |_| {}).err().unwrap().to_string();
-        assert!(err.contains("model.safetensors") && (err.contains("shrank") || err.contains("ended during the load")), "{s:?}: {err}");
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&p)
+            .unwrap()
+            .set_len(len / 2)
+            .unwrap();
+        let err = HostWeights::load_with(ck, &opts(s, Verify::Off), &mut |_| {})
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("model.safetensors")
+                && (err.contains("shrank") || err.contains("ended during the load")),
+            "{s:?}: {err}"
+        );
     }
 }
 
@@ -106,7 +182,14 @@ fn shard_that_shrinks_after_open_fails_cleanly() {
 fn verification_required_without_manifest_is_an_error() {
     let d = tempfile::tempdir().unwrap();
     checkpoint(d.path(), 1, 100);
-    let err = HostWeights::load_with(Checkpoint::open(d.path()).unwrap(), &opts(Strategy::Pread, Verify::Required), &mut |_| {}).err().unwrap().to_string();
+    let err = HostWeights::load_with(
+        Checkpoint::open(d.path()).unwrap(),
+        &opts(Strategy::Pread, Verify::Required),
+        &mut |_| {},
+    )
+    .err()
+    .unwrap()
+    .to_string();
     assert!(err.contains("no thaw-manifest.json"), "{err}");
 }
 
@@ -120,7 +203,12 @@ fn o_direct_refused_falls_back_with_reason() {
     }
     let d = tempfile::tempdir_in(&shm).unwrap();
     let tensors = checkpoint(d.path(), 2, 10_000);
-    let w = HostWeights::load_with(Checkpoint::open(d.path()).unwrap(), &opts(Strategy::UringDirect, Verify::Off), &mut |_| {}).unwrap();
+    let w = HostWeights::load_with(
+        Checkpoint::open(d.path()).unwrap(),
+        &opts(Strategy::UringDirect, Verify::Off),
+        &mut |_| {},
+    )
+    .unwrap();
     let fb = w.stats.fallback.clone().unwrap_or_default();
     // Some kernels accept O_DIRECT on tmpfs; then there is nothing to fall back from.
     if w.stats.strategy == "pread" {
@@ -128,21 +216,33 @@ fn o_direct_refused_falls_back_with_reason() {
     } else {
         assert_eq!(w.stats.strategy, "uring-direct");
     }
-    assert_eq!(w.tensor(&tensors[1].0).unwrap().as_f32().unwrap(), &tensors[1].1[..]);
+    assert_eq!(
+        w.tensor(&tensors[1].0).unwrap().as_f32().unwrap(),
+        &tensors[1].1[..]
+    );
 }
 
 #[test]
 fn missing_shard_and_bad_index_are_errors() {
     let d = tempfile::tempdir().unwrap();
     checkpoint(d.path(), 1, 10);
-    std::fs::rename(d.path().join("model.safetensors"), d.path().join("model-00001-of-00002.safetensors")).unwrap();
+    std::fs::rename(
+        d.path().join("model.safetensors"),
+        d.path().join("model-00001-of-00002.safetensors"),
+    )
+    .unwrap();
     std::fs::write(
         d.path().join("model.safetensors.index.json"),
         r#"{"weight_map":{"model.norm.weight":"model-00001-of-00002.safetensors","x":"model-00002-of-00002.safetensors"}}"#,
     )
     .unwrap();
     let err = Checkpoint::open(d.path()).err().unwrap().to_string();
-    assert!(err.contains("model.safetensors.index.json") && err.contains("model-00002-of-00002.safetensors") && err.contains("does not exist"), "{err}");
+    assert!(
+        err.contains("model.safetensors.index.json")
+            && err.contains("model-00002-of-00002.safetensors")
+            && err.contains("does not exist"),
+        "{err}"
+    );
     std::fs::write(d.path().join("model.safetensors.index.json"), "{not json").unwrap();
     let err = Checkpoint::open(d.path()).err().unwrap().to_string();
     assert!(err.contains("malformed index"), "{err}");

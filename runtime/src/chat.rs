@@ -9,20 +9,32 @@ pub struct ChatMessage {
     pub content: String,
 }
 
-pub fn render_chat(tok: &TextTokenizer, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, RuntimeError> {
-    let template = tok
-        .chat_template
-        .as_deref()
-        .ok_or_else(|| RuntimeError::Template("the model's tokenizer_config.json has no chat_template".into()))?;
+pub fn render_chat(
+    tok: &TextTokenizer,
+    messages: &[ChatMessage],
+    add_generation_prompt: bool,
+) -> Result<String, RuntimeError> {
+    let template = tok.chat_template.as_deref().ok_or_else(|| {
+        RuntimeError::Template("the model's tokenizer_config.json has no chat_template".into())
+    })?;
     let mut env = minijinja::Environment::new();
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-    env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
-        Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-    });
-    env.add_template("chat", template).map_err(|e| RuntimeError::Template(e.to_string()))?;
-    let t = env.get_template("chat").map_err(|e| RuntimeError::Template(e.to_string()))?;
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                msg,
+            ))
+        },
+    );
+    env.add_template("chat", template)
+        .map_err(|e| RuntimeError::Template(e.to_string()))?;
+    let t = env
+        .get_template("chat")
+        .map_err(|e| RuntimeError::Template(e.to_string()))?;
     t.render(minijinja::context! {
         messages => messages,
         add_generation_prompt => add_generation_prompt,

@@ -4,7 +4,8 @@ use std::path::Path;
 
 use crate::RuntimeError;
 
-pub const SUPPORTED_ARCHITECTURES: &[&str] = &["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"];
+pub const SUPPORTED_ARCHITECTURES: &[&str] =
+    &["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"];
 
 #[derive(Debug, Clone, serde::Deserialize, serde::Serialize)]
 pub struct ModelConfig {
@@ -54,9 +55,10 @@ impl ModelConfig {
     pub fn load(dir: &Path) -> Result<ModelConfig, RuntimeError> {
         let path = dir.join("config.json");
         let text = std::fs::read_to_string(&path).map_err(|e| RuntimeError::io(&path, e))?;
-        let cfg: ModelConfig =
-            serde_json::from_str(&text).map_err(|e| RuntimeError::Config(format!("{}: {e}", path.display())))?;
-        cfg.validate().map_err(|m| RuntimeError::Config(format!("{}: {m}", path.display())))?;
+        let cfg: ModelConfig = serde_json::from_str(&text)
+            .map_err(|e| RuntimeError::Config(format!("{}: {e}", path.display())))?;
+        cfg.validate()
+            .map_err(|m| RuntimeError::Config(format!("{}: {m}", path.display())))?;
         Ok(cfg)
     }
 
@@ -69,17 +71,22 @@ impl ModelConfig {
             ));
         }
         if self.num_attention_heads == 0 || self.hidden_size == 0 || self.num_hidden_layers == 0 {
-            return Err("hidden_size, num_hidden_layers and num_attention_heads must be positive".into());
+            return Err(
+                "hidden_size, num_hidden_layers and num_attention_heads must be positive".into(),
+            );
         }
-        if self.num_attention_heads % self.n_kv_heads() != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.n_kv_heads()) {
             return Err(format!(
                 "num_attention_heads {} is not a multiple of num_key_value_heads {}",
                 self.num_attention_heads,
                 self.n_kv_heads()
             ));
         }
-        if self.head_dim() % 2 != 0 {
-            return Err(format!("head_dim {} must be even for RoPE", self.head_dim()));
+        if !self.head_dim().is_multiple_of(2) {
+            return Err(format!(
+                "head_dim {} must be even for RoPE",
+                self.head_dim()
+            ));
         }
         if let Some(s) = &self.rope_scaling {
             if !s.is_null() {
@@ -96,10 +103,13 @@ impl ModelConfig {
         self.attention_bias || self.is_qwen2()
     }
     pub fn n_kv_heads(&self) -> usize {
-        self.num_key_value_heads.unwrap_or(self.num_attention_heads).max(1)
+        self.num_key_value_heads
+            .unwrap_or(self.num_attention_heads)
+            .max(1)
     }
     pub fn head_dim(&self) -> usize {
-        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads)
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads)
     }
     pub fn q_dim(&self) -> usize {
         self.num_attention_heads * self.head_dim()
@@ -110,8 +120,14 @@ impl ModelConfig {
     /// All ids that end generation (config may give one id or a list).
     pub fn eos_ids(&self) -> Vec<u32> {
         match &self.eos_token_id {
-            Some(serde_json::Value::Number(n)) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
-            Some(serde_json::Value::Array(a)) => a.iter().filter_map(|v| v.as_u64()).map(|v| v as u32).collect(),
+            Some(serde_json::Value::Number(n)) => {
+                n.as_u64().map(|v| vec![v as u32]).unwrap_or_default()
+            }
+            Some(serde_json::Value::Array(a)) => a
+                .iter()
+                .filter_map(|v| v.as_u64())
+                .map(|v| v as u32)
+                .collect(),
             _ => vec![],
         }
     }

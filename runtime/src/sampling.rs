@@ -16,14 +16,22 @@ pub struct SamplingParams {
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None }
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: None,
+        }
     }
 }
 
 impl SamplingParams {
     pub fn validate(&self) -> Result<(), String> {
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return Err(format!("temperature must be a finite number >= 0, got {}", self.temperature));
+            return Err(format!(
+                "temperature must be a finite number >= 0, got {}",
+                self.temperature
+            ));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
@@ -40,10 +48,16 @@ pub struct Sampler {
 impl Sampler {
     pub fn new(params: SamplingParams) -> Sampler {
         let seed = params.seed.unwrap_or_else(|| {
-            let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+            let t = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0);
             t ^ (std::process::id() as u64) << 32
         });
-        Sampler { params, state: seed }
+        Sampler {
+            params,
+            state: seed,
+        }
     }
 
     fn next_f64(&mut self) -> f64 {
@@ -60,7 +74,12 @@ impl Sampler {
             return argmax(logits);
         }
         let inv_t = 1.0 / self.params.temperature as f64;
-        let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().filter(|(_, v)| !v.is_nan()).map(|(i, &v)| (i as u32, v)).collect();
+        let mut cand: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| !v.is_nan())
+            .map(|(i, &v)| (i as u32, v))
+            .collect();
         if cand.is_empty() {
             return 0;
         }
@@ -71,7 +90,10 @@ impl Sampler {
         }
         cand.sort_unstable_by(by_logit);
         let max = cand[0].1 as f64;
-        let mut probs: Vec<f64> = cand.iter().map(|c| ((c.1 as f64 - max) * inv_t).exp()).collect();
+        let mut probs: Vec<f64> = cand
+            .iter()
+            .map(|c| ((c.1 as f64 - max) * inv_t).exp())
+            .collect();
         let z: f64 = probs.iter().sum();
         probs.iter_mut().for_each(|p| *p /= z);
         let mut keep = probs.len();
@@ -116,9 +138,20 @@ mod tests {
     fn greedy_and_seeded() {
         let logits = [0.1, 2.0, 2.0, -1.0];
         assert_eq!(Sampler::new(SamplingParams::default()).sample(&logits), 1);
-        let p = SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, seed: Some(42) };
-        let a: Vec<u32> = { let mut s = Sampler::new(p.clone()); (0..50).map(|_| s.sample(&logits)).collect() };
-        let b: Vec<u32> = { let mut s = Sampler::new(p.clone()); (0..50).map(|_| s.sample(&logits)).collect() };
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: Some(42),
+        };
+        let a: Vec<u32> = {
+            let mut s = Sampler::new(p.clone());
+            (0..50).map(|_| s.sample(&logits)).collect()
+        };
+        let b: Vec<u32> = {
+            let mut s = Sampler::new(p.clone());
+            (0..50).map(|_| s.sample(&logits)).collect()
+        };
         assert_eq!(a, b);
         assert!(a.contains(&1) && a.contains(&2));
     }
@@ -126,11 +159,34 @@ mod tests {
     #[test]
     fn top_k_and_top_p_cut() {
         let logits = [5.0, 4.9, 0.0, -3.0, 4.8];
-        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 2, top_p: 1.0, seed: Some(1) });
-        assert!((0..200).all(|_| { let t = s.sample(&logits); t == 0 || t == 1 }));
-        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 0, top_p: 0.3, seed: Some(1) });
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_k: 2,
+            top_p: 1.0,
+            seed: Some(1),
+        });
+        assert!((0..200).all(|_| {
+            let t = s.sample(&logits);
+            t == 0 || t == 1
+        }));
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 0.3,
+            seed: Some(1),
+        });
         assert!((0..200).all(|_| s.sample(&logits) == 0));
-        assert!(SamplingParams { top_p: 0.0, ..Default::default() }.validate().is_err());
-        assert!(SamplingParams { temperature: -1.0, ..Default::default() }.validate().is_err());
+        assert!(SamplingParams {
+            top_p: 0.0,
+            ..Default::default()
+        }
+        .validate()
+        .is_err());
+        assert!(SamplingParams {
+            temperature: -1.0,
+            ..Default::default()
+        }
+        .validate()
+        .is_err());
     }
 }

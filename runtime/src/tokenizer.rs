@@ -22,7 +22,10 @@ fn token_string(v: Option<&serde_json::Value>) -> Option<String> {
     match v? {
         serde_json::Value::String(s) => Some(s.clone()),
         // Older configs store {"content": "..."} objects.
-        serde_json::Value::Object(o) => o.get("content").and_then(|c| c.as_str()).map(str::to_string),
+        serde_json::Value::Object(o) => o
+            .get("content")
+            .and_then(|c| c.as_str())
+            .map(str::to_string),
         _ => None,
     }
 }
@@ -46,12 +49,18 @@ impl TextTokenizer {
         let eos_token = token_string(cfg.get("eos_token"));
         let id = |t: &Option<String>| t.as_deref().and_then(|s| special.token_to_id(s));
         Ok(TextTokenizer {
-            add_bos: cfg.get("add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false),
+            add_bos: cfg
+                .get("add_bos_token")
+                .and_then(|v| v.as_bool())
+                .unwrap_or(false),
             bos_id: id(&bos_token),
             eos_id: id(&eos_token),
             bos_token,
             eos_token,
-            chat_template: cfg.get("chat_template").and_then(|v| v.as_str()).map(str::to_string),
+            chat_template: cfg
+                .get("chat_template")
+                .and_then(|v| v.as_str())
+                .map(str::to_string),
             special,
             plain,
         })
@@ -60,8 +69,14 @@ impl TextTokenizer {
     /// Encodes `text`; with `parse_special`, special-token strings become their ids. A BOS id is
     /// prepended only when the tokenizer config asks for it.
     pub fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>, RuntimeError> {
-        let tk = if parse_special { &self.special } else { &self.plain };
-        let enc = tk.encode(text, false).map_err(|e| RuntimeError::Tokenizer(e.to_string()))?;
+        let tk = if parse_special {
+            &self.special
+        } else {
+            &self.plain
+        };
+        let enc = tk
+            .encode(text, false)
+            .map_err(|e| RuntimeError::Tokenizer(e.to_string()))?;
         let mut ids = Vec::with_capacity(enc.len() + 1);
         if self.add_bos {
             ids.extend(self.bos_id);
@@ -71,7 +86,9 @@ impl TextTokenizer {
     }
 
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, RuntimeError> {
-        self.special.decode(ids, skip_special).map_err(|e| RuntimeError::Tokenizer(e.to_string()))
+        self.special
+            .decode(ids, skip_special)
+            .map_err(|e| RuntimeError::Tokenizer(e.to_string()))
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -97,7 +114,10 @@ impl StreamDecoder {
         self.ids.push(id);
         let before = tok.decode(&self.ids[self.prefix..self.read], true)?;
         let now = tok.decode(&self.ids[self.prefix..], true)?;
-        if now.len() > before.len() && !now.ends_with('\u{fffd}') && now.is_char_boundary(before.len()) {
+        if now.len() > before.len()
+            && !now.ends_with('\u{fffd}')
+            && now.is_char_boundary(before.len())
+        {
             let delta = now[before.len()..].to_string();
             self.prefix = self.read;
             self.read = self.ids.len();

@@ -9,12 +9,16 @@ use serde_json::Value;
 use thaw_runtime::convert::OutDtype;
 use thaw_runtime::fetch::default_model;
 use thaw_runtime::sampling::argmax;
-use thaw_runtime::{generate, render_chat, ChatMessage, GenerateParams, KvCache, Llama, SamplingParams, TextTokenizer};
+use thaw_runtime::{
+    generate, render_chat, ChatMessage, GenerateParams, KvCache, Llama, SamplingParams,
+    TextTokenizer,
+};
 
 fn golden() -> &'static Value {
     static G: OnceLock<Value> = OnceLock::new();
     G.get_or_init(|| {
-        let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/smollm2-public.json");
+        let p =
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/smollm2-public.json");
         serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
     })
 }
@@ -27,7 +31,11 @@ fn model(dtype: OutDtype) -> PathBuf {
 }
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 fn messages(v: &Value) -> Vec<ChatMessage> {
@@ -41,7 +49,11 @@ fn tokenization_matches_llama_cpp() {
     assert!(cases.len() >= 20);
     for c in cases {
         let text = c["text"].as_str().unwrap();
-        assert_eq!(tok.encode(text, true).unwrap(), ids(&c["ids"]), "text {text:?}");
+        assert_eq!(
+            tok.encode(text, true).unwrap(),
+            ids(&c["ids"]),
+            "text {text:?}"
+        );
     }
 }
 
@@ -49,7 +61,12 @@ fn tokenization_matches_llama_cpp() {
 fn chat_template_renders_match() {
     let tok = TextTokenizer::load(&model(OutDtype::Bf16)).unwrap();
     for c in golden()["chat_template_renders"].as_array().unwrap() {
-        let got = render_chat(&tok, &messages(&c["messages"]), c["add_generation_prompt"].as_bool().unwrap()).unwrap();
+        let got = render_chat(
+            &tok,
+            &messages(&c["messages"]),
+            c["add_generation_prompt"].as_bool().unwrap(),
+        )
+        .unwrap();
         assert_eq!(got, c["text"].as_str().unwrap());
     }
 }
@@ -72,7 +89,12 @@ fn f32_greedy_matches_reference() {
     let dir = model(OutDtype::F32);
     let m = Llama::load(&dir).unwrap();
     let tok = TextTokenizer::load(&dir).unwrap();
-    let params = GenerateParams { max_tokens: 32, sampling: SamplingParams::default(), stop: vec![], ignore_eos: false };
+    let params = GenerateParams {
+        max_tokens: 32,
+        sampling: SamplingParams::default(),
+        stop: vec![],
+        ignore_eos: false,
+    };
     for c in golden()["greedy"].as_array().unwrap() {
         let prompt = prompt_ids(&tok, c);
         let want = ids(&c["output_ids"]);
@@ -84,8 +106,15 @@ fn f32_greedy_matches_reference() {
         let mut cache = KvCache::new(&m.cfg);
         let logits = m.forward(&prompt, &mut cache, false).unwrap();
         for pair in c["top5_logits_per_step"][0].as_array().unwrap() {
-            let (id, want) = (pair[0].as_u64().unwrap() as usize, pair[1].as_f64().unwrap());
-            assert!((logits[id] as f64 - want).abs() < 0.02, "logit {id}: {} vs {want}", logits[id]);
+            let (id, want) = (
+                pair[0].as_u64().unwrap() as usize,
+                pair[1].as_f64().unwrap(),
+            );
+            assert!(
+                (logits[id] as f64 - want).abs() < 0.02,
+                "logit {id}: {} vs {want}",
+                logits[id]
+            );
         }
     }
 }
@@ -119,15 +148,22 @@ fn bf16_teacher_forced_top1_agreement() {
 fn sharded_checkpoint_gives_identical_logits() {
     let gguf = thaw_runtime::fetch::default_gguf().unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let opts = thaw_runtime::convert::ConvertOptions { dtype: OutDtype::Bf16, shard_size: Some(60_000_000) };
+    let opts = thaw_runtime::convert::ConvertOptions {
+        dtype: OutDtype::Bf16,
+        shard_size: Some(60_000_000),
+    };
     let r = thaw_runtime::convert::convert(&gguf, dir.path(), &opts).unwrap();
     assert!(r.shards >= 4, "{} shards", r.shards);
     assert!(dir.path().join("model.safetensors.index.json").is_file());
     let sharded = Llama::load(dir.path()).unwrap();
     let single = Llama::load(&model(OutDtype::Bf16)).unwrap();
     let prompt = [504u32, 3575, 282, 4649, 314];
-    let a = sharded.forward(&prompt, &mut KvCache::new(&sharded.cfg), true).unwrap();
-    let b = single.forward(&prompt, &mut KvCache::new(&single.cfg), true).unwrap();
+    let a = sharded
+        .forward(&prompt, &mut KvCache::new(&sharded.cfg), true)
+        .unwrap();
+    let b = single
+        .forward(&prompt, &mut KvCache::new(&single.cfg), true)
+        .unwrap();
     assert_eq!(a, b);
 }
 
@@ -136,8 +172,15 @@ fn chunked_prefill_is_bit_identical() {
     let dir = model(OutDtype::Bf16);
     let m = Llama::load(&dir).unwrap();
     let tok = TextTokenizer::load(&dir).unwrap();
-    let prompt = tok.encode("The quick brown fox jumps over the lazy dog. It was a sunny day in the park.", false).unwrap();
-    let whole = m.forward(&prompt, &mut KvCache::new(&m.cfg), false).unwrap();
+    let prompt = tok
+        .encode(
+            "The quick brown fox jumps over the lazy dog. It was a sunny day in the park.",
+            false,
+        )
+        .unwrap();
+    let whole = m
+        .forward(&prompt, &mut KvCache::new(&m.cfg), false)
+        .unwrap();
     let mut cache = KvCache::new(&m.cfg);
     let mut last = vec![];
     for chunk in prompt.chunks(5) {

@@ -11,15 +11,25 @@ use std::process::{Command, Output};
 pub fn bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
     // target/<profile>/deps/<test> → target/<profile>/<name>
-    let dir = exe.parent().and_then(|d| d.parent()).expect("target profile directory");
+    let dir = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .expect("target profile directory");
     let p = dir.join(name);
-    assert!(p.is_file(), "{} is missing: run `cargo build --release --bins` first (scripts/test.sh does)", p.display());
+    assert!(
+        p.is_file(),
+        "{} is missing: run `cargo build --release --bins` first (scripts/test.sh does)",
+        p.display()
+    );
     p
 }
 
 /// Runs `thaw` with `args`.
 pub fn thaw(args: &[&str]) -> Output {
-    Command::new(bin("thaw")).args(args).output().expect("starting thaw")
+    Command::new(bin("thaw"))
+        .args(args)
+        .output()
+        .expect("starting thaw")
 }
 
 pub fn stdout(o: &Output) -> String {
@@ -40,6 +50,10 @@ pub fn golden() -> serde_json::Value {
 pub fn model_dir(variant: &str) -> PathBuf {
     let dtype = variant.strip_prefix("default-").unwrap_or("bf16");
     let o = thaw(&["model", "fetch", "--dtype", dtype]);
-    assert!(o.status.success(), "thaw model fetch failed: {}", stderr(&o));
+    assert!(
+        o.status.success(),
+        "thaw model fetch failed: {}",
+        stderr(&o)
+    );
     PathBuf::from(stdout(&o).trim())
 }

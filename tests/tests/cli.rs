@@ -6,7 +6,11 @@ use serde_json::Value;
 use thaw_tests::{golden, model_dir, stderr, stdout, thaw};
 
 fn ids(v: &Value) -> Vec<u64> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect()
 }
 
 #[test]
@@ -26,16 +30,32 @@ fn generate_json_f32_matches_reference() {
     model_dir("default-f32");
     let g = &golden()["greedy"][0];
     let user = g["messages"][0]["content"].as_str().unwrap();
-    let o = thaw(&["generate", "--model", "default-f32", "--chat", user, "--max-tokens", "32", "--json"]);
+    let o = thaw(&[
+        "generate",
+        "--model",
+        "default-f32",
+        "--chat",
+        user,
+        "--max-tokens",
+        "32",
+        "--json",
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let v: Value = serde_json::from_str(stdout(&o).trim()).unwrap();
-    let want: Vec<u64> = ids(&g["output_ids"]).into_iter().filter(|&t| t != 2).collect();
+    let want: Vec<u64> = ids(&g["output_ids"])
+        .into_iter()
+        .filter(|&t| t != 2)
+        .collect();
     assert_eq!(ids(&v["prompt_ids"]), ids(&g["prompt_ids"]));
     assert_eq!(ids(&v["output_ids"]), want);
     assert_eq!(v["text"], g["output_text"]);
     assert_eq!(v["finish_reason"], "stop");
     for k in ["load_ms", "ttft_ms", "decode_tokens_per_s"] {
-        assert!(v["timings"][k].as_f64().unwrap() > 0.0, "{k}: {}", v["timings"]);
+        assert!(
+            v["timings"][k].as_f64().unwrap() > 0.0,
+            "{k}: {}",
+            v["timings"]
+        );
     }
 }
 
@@ -43,19 +63,54 @@ fn generate_json_f32_matches_reference() {
 fn generate_streams_text_and_honours_limits() {
     model_dir("default");
     // Raw prompt ids, fixed length with ignore_eos.
-    let o = thaw(&["generate", "--model", "default", "--prompt-ids", "504,3575,282,4649,314", "--max-tokens", "7", "--ignore-eos", "--json"]);
+    let o = thaw(&[
+        "generate",
+        "--model",
+        "default",
+        "--prompt-ids",
+        "504,3575,282,4649,314",
+        "--max-tokens",
+        "7",
+        "--ignore-eos",
+        "--json",
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let v: Value = serde_json::from_str(stdout(&o).trim()).unwrap();
     assert_eq!(v["output_ids"].as_array().unwrap().len(), 7);
     assert_eq!(v["finish_reason"], "length");
     // Streaming mode prints the text; a stop string cuts it.
-    let o = thaw(&["generate", "--model", "default", "--chat", "What is the capital of France?", "--stop", " Paris"]);
+    let o = thaw(&[
+        "generate",
+        "--model",
+        "default",
+        "--chat",
+        "What is the capital of France?",
+        "--stop",
+        " Paris",
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(stdout(&o).trim_end(), "The capital of France is");
     // Seeded sampling is reproducible.
-    let args = ["generate", "--model", "default", "--prompt", "Once upon a time", "--temperature", "0.9", "--top-p", "0.95", "--seed", "7", "--max-tokens", "16", "--json"];
+    let args = [
+        "generate",
+        "--model",
+        "default",
+        "--prompt",
+        "Once upon a time",
+        "--temperature",
+        "0.9",
+        "--top-p",
+        "0.95",
+        "--seed",
+        "7",
+        "--max-tokens",
+        "16",
+        "--json",
+    ];
     let (a, b) = (thaw(&args), thaw(&args));
-    let text = |o: &std::process::Output| serde_json::from_str::<Value>(stdout(o).trim()).unwrap()["output_ids"].clone();
+    let text = |o: &std::process::Output| {
+        serde_json::from_str::<Value>(stdout(o).trim()).unwrap()["output_ids"].clone()
+    };
     assert_eq!(text(&a), text(&b));
 }
 
@@ -63,12 +118,36 @@ fn generate_streams_text_and_honours_limits() {
 fn sharded_conversion_loads_and_generates() {
     let gguf = dirs_gguf();
     let out = tempfile::tempdir().unwrap();
-    let o = thaw(&["convert", "--gguf", gguf.to_str().unwrap(), "--out", out.path().to_str().unwrap(), "--shard-size", "50MB"]);
+    let o = thaw(&[
+        "convert",
+        "--gguf",
+        gguf.to_str().unwrap(),
+        "--out",
+        out.path().to_str().unwrap(),
+        "--shard-size",
+        "50MB",
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let index: Value = serde_json::from_str(&std::fs::read_to_string(out.path().join("model.safetensors.index.json")).unwrap()).unwrap();
-    let shards: std::collections::BTreeSet<&str> = index["weight_map"].as_object().unwrap().values().map(|v| v.as_str().unwrap()).collect();
+    let index: Value = serde_json::from_str(
+        &std::fs::read_to_string(out.path().join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let shards: std::collections::BTreeSet<&str> = index["weight_map"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_str().unwrap())
+        .collect();
     assert!(shards.len() >= 5, "{shards:?}");
-    let o = thaw(&["generate", "--model", out.path().to_str().unwrap(), "--chat", "What is the capital of France?", "--max-tokens", "8"]);
+    let o = thaw(&[
+        "generate",
+        "--model",
+        out.path().to_str().unwrap(),
+        "--chat",
+        "What is the capital of France?",
+        "--max-tokens",
+        "8",
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stdout(&o).contains("Paris"), "{}", stdout(&o));
 }
@@ -104,13 +183,24 @@ fn safetensors(header: &str, data_len: usize) -> Vec<u8> {
 
 /// Runs `thaw generate` on `dir` and checks for a one-line error that names `file` and `what`.
 fn assert_clean_error(dir: &Path, file: &str, what: &str) {
-    let o = thaw(&["generate", "--model", dir.to_str().unwrap(), "--prompt", "hi", "--max-tokens", "2"]);
+    let o = thaw(&[
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "2",
+    ]);
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(1), "stderr: {err}");
     assert!(!err.contains("panicked"), "{err}");
     assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
     assert!(err.starts_with("error: "), "{err}");
-    assert!(err.contains(file) && err.contains(what), "want '{file}' and '{what}' in: {err}");
+    assert!(
+        err.contains(file) && err.contains(what),
+        "want '{file}' and '{what}' in: {err}"
+    );
 }
 
 #[test]
@@ -120,27 +210,63 @@ fn bad_checkpoints_give_one_line_errors() {
     let d = broken_model(&real[..1 << 20], None);
     assert_clean_error(d.path(), "model.safetensors", "truncated");
 
-    let d = broken_model(&safetensors(r#"{"a":{"dtype":"Q9","shape":[2],"data_offsets":[0,4]}}"#, 4), None);
+    let d = broken_model(
+        &safetensors(
+            r#"{"a":{"dtype":"Q9","shape":[2],"data_offsets":[0,4]}}"#,
+            4,
+        ),
+        None,
+    );
     assert_clean_error(d.path(), "model.safetensors", "unknown dtype 'Q9'");
 
-    let d = broken_model(&safetensors(r#"{"a":{"dtype":"BF16","shape":[3,3],"data_offsets":[0,16]}}"#, 16), None);
+    let d = broken_model(
+        &safetensors(
+            r#"{"a":{"dtype":"BF16","shape":[3,3],"data_offsets":[0,16]}}"#,
+            16,
+        ),
+        None,
+    );
     assert_clean_error(d.path(), "model.safetensors", "needs 18 bytes");
 
-    let d = broken_model(&safetensors(r#"{"model.norm.weight":{"dtype":"BF16","shape":[576],"data_offsets":[0,1152]}}"#, 1152), None);
+    let d = broken_model(
+        &safetensors(
+            r#"{"model.norm.weight":{"dtype":"BF16","shape":[576],"data_offsets":[0,1152]}}"#,
+            1152,
+        ),
+        None,
+    );
     assert_clean_error(d.path(), "", "missing tensor 'model.embed_tokens.weight'");
 
     let cfg = r#"{"architectures":["GPT2LMHeadModel"],"hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":1,"vocab_size":8}"#;
     let d = broken_model(&safetensors("{}", 0), Some(cfg));
-    assert_clean_error(d.path(), "config.json", "unsupported architecture 'GPT2LMHeadModel'");
+    assert_clean_error(
+        d.path(),
+        "config.json",
+        "unsupported architecture 'GPT2LMHeadModel'",
+    );
 
     // A model with the right names but a wrong shape.
     let cfg_small = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":4,"intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":1,"vocab_size":49152}"#;
-    let d = broken_model(&safetensors(r#"{"model.embed_tokens.weight":{"dtype":"F32","shape":[49152,5],"data_offsets":[0,983040]}}"#, 983040), Some(cfg_small));
-    assert_clean_error(d.path(), "model.safetensors", "has shape [49152, 5], expected [49152, 4]");
+    let d = broken_model(
+        &safetensors(
+            r#"{"model.embed_tokens.weight":{"dtype":"F32","shape":[49152,5],"data_offsets":[0,983040]}}"#,
+            983040,
+        ),
+        Some(cfg_small),
+    );
+    assert_clean_error(
+        d.path(),
+        "model.safetensors",
+        "has shape [49152, 5], expected [49152, 4]",
+    );
 
     // An index that names a shard that is not there.
     let d = broken_model(&safetensors("{}", 0), None);
-    std::fs::write(d.path().join("model.safetensors.index.json"), r#"{"weight_map":{"x":"model-00001-of-00002.safetensors"}}"#).unwrap();
+    std::fs::write(
+        d.path().join("model.safetensors.index.json"),
+        r#"{"weight_map":{"x":"model-00001-of-00002.safetensors"}}"#,
+    )
+    .unwrap();
     assert_clean_error(d.path(), "model.safetensors.index.json", "does not exist");
 }
 
@@ -149,19 +275,40 @@ fn bad_gguf_and_bad_arguments() {
     let d = tempfile::tempdir().unwrap();
     let g = d.path().join("bad.gguf");
     std::fs::write(&g, b"GGMLxxxxxxxxxxxxxxxxxxxxxxxx").unwrap();
-    let o = thaw(&["convert", "--gguf", g.to_str().unwrap(), "--out", d.path().join("out").to_str().unwrap()]);
+    let o = thaw(&[
+        "convert",
+        "--gguf",
+        g.to_str().unwrap(),
+        "--out",
+        d.path().join("out").to_str().unwrap(),
+    ]);
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(err.contains("bad.gguf") && err.contains("bad magic") && !err.contains("panicked"), "{err}");
+    assert!(
+        err.contains("bad.gguf") && err.contains("bad magic") && !err.contains("panicked"),
+        "{err}"
+    );
 
     let o = thaw(&["generate", "--model", "/nonexistent/model", "--prompt", "x"]);
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("/nonexistent/model"), "{}", stderr(&o));
 
     model_dir("default");
-    let o = thaw(&["generate", "--model", "default", "--prompt-ids", "1,999999", "--max-tokens", "1"]);
+    let o = thaw(&[
+        "generate",
+        "--model",
+        "default",
+        "--prompt-ids",
+        "1,999999",
+        "--max-tokens",
+        "1",
+    ]);
     assert_eq!(o.status.code(), Some(1));
-    assert!(stderr(&o).contains("outside the vocabulary"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("outside the vocabulary"),
+        "{}",
+        stderr(&o)
+    );
 }
 
 #[test]
@@ -171,22 +318,94 @@ fn unreadable_model_directory_is_a_clear_error() {
     for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
         std::fs::copy(real.join(f), d.path().join(f)).unwrap();
     }
-    std::os::unix::fs::symlink(real.join("model.safetensors"), d.path().join("model.safetensors")).unwrap();
+    std::os::unix::fs::symlink(
+        real.join("model.safetensors"),
+        d.path().join("model.safetensors"),
+    )
+    .unwrap();
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(0o000)).unwrap();
     // Root ignores permission bits: run as an unprivileged user where we are root.
-    let is_root = std::process::Command::new("id").arg("-u").output().map(|o| stdout(&o).trim() == "0").unwrap_or(false);
+    let is_root = std::process::Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| stdout(&o).trim() == "0")
+        .unwrap_or(false);
     let bin = thaw_tests::bin("thaw");
+    if is_root
+        && std::process::Command::new("setpriv")
+            .arg("--version")
+            .output()
+            .is_err()
+    {
+        eprintln!("skipped: running as root without util-linux `setpriv` to drop privileges");
+        std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        return;
+    }
     let mut cmd = if is_root {
         let mut c = std::process::Command::new("setpriv");
-        c.args(["--reuid=65534", "--regid=65534", "--clear-groups"]).arg(&bin);
+        c.args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+            .arg(&bin);
         c
     } else {
         std::process::Command::new(&bin)
     };
-    let o = cmd.args(["generate", "--model", d.path().to_str().unwrap(), "--prompt", "hi"]).output().unwrap();
+    let o = cmd
+        .args([
+            "generate",
+            "--model",
+            d.path().to_str().unwrap(),
+            "--prompt",
+            "hi",
+        ])
+        .output()
+        .unwrap();
     std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(err.contains(d.path().to_str().unwrap()) && err.contains("ermission denied") && !err.contains("panicked"), "{err}");
+    assert!(
+        err.contains(d.path().to_str().unwrap())
+            && err.contains("ermission denied")
+            && !err.contains("panicked"),
+        "{err}"
+    );
+}
+
+/// On a terminal, loading shows a progress bar that ends at 100% with every layer ready.
+#[test]
+fn progress_bar_on_a_terminal() {
+    model_dir("default");
+    if std::process::Command::new("script")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        eprintln!("skipped: util-linux `script` (a pseudo-terminal) is not installed");
+        return;
+    }
+    let cmd = format!(
+        "{} generate --model default --prompt-ids 504,3575 --max-tokens 1 --load-strategy pread",
+        thaw_tests::bin("thaw").display()
+    );
+    let o = std::process::Command::new("script")
+        .args(["-qec", &cmd, "/dev/null"])
+        .output()
+        .unwrap();
+    let out = stdout(&o);
+    assert!(o.status.success(), "{out}");
+    assert!(
+        out.contains("loading weights 100%") && out.contains("32/32 layers ready"),
+        "{out}"
+    );
+    // Not on a pipe.
+    let o = thaw(&[
+        "generate",
+        "--model",
+        "default",
+        "--prompt-ids",
+        "504,3575",
+        "--max-tokens",
+        "1",
+    ]);
+    assert!(!stderr(&o).contains("loading weights"), "{}", stderr(&o));
 }
