@@ -4,8 +4,6 @@
 //! the memory roofline (weight bytes read per token over the read bandwidth this run measures).
 //! Later issues add `load`, `synth`, `serve` and `coldstart`.
 
-use std::time::Instant;
-
 use clap::{Parser, Subcommand};
 
 mod decode;
@@ -37,7 +35,6 @@ enum Cmd {
 }
 
 fn main() {
-    let t = Instant::now();
     let r = match Cli::parse().cmd {
         Cmd::Decode(a) => decode::run(a),
         Cmd::Kernels(a) => kernels::run(a),
@@ -48,7 +45,6 @@ fn main() {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
-    let _ = t;
 }
 
 /// Median, min and max of a sample.

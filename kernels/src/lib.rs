@@ -10,7 +10,7 @@
 //!   checkpoint's bytes once per step. The SIMD path is picked at run time (AVX-512, AVX2+FMA+F16C,
 //!   scalar); work is split over output rows across a spin-then-park [`ThreadPool`].
 //! * **Batch invariance.** Every output element is one dot product accumulated in the same lane
-//!   order whatever the tile it was computed in (1 token or 6, 1 row or 8) and whichever thread ran
+//!   order whatever the tile it was computed in (1–4 tokens × 1–4 rows, any token block) and whichever thread ran
 //!   it, then reduced by a fixed tree. So a sequence's logits do not depend on what else was in the
 //!   batch or how its prompt was chunked — the property the engine's determinism tests rely on.
 //! * Elementwise and attention kernels ([`ops`]) use fixed-width lane accumulators that LLVM

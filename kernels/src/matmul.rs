@@ -59,6 +59,9 @@ impl<'a> Matrix<'a> {
     }
 }
 
+/// Tokens per task when a call carries many (prefill).
+const TOKEN_BLOCK: usize = 64;
+
 const KIND_F32: u8 = 0;
 const KIND_BF16: u8 = 1;
 const KIND_F16: u8 = 2;
@@ -124,30 +127,52 @@ pub fn matmul_with(
         target.clamp(8, 64)
     } / 8
         * 8;
-    let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
+    // Long prompts are also split into token blocks: with only rows to share out, a 576-row
+    // matrix makes 9 big tasks and two threads finish 5 against 4. Each output element is the
+    // same dot product whatever block it is in, so this changes no result.
+    let tblock = if n > TOKEN_BLOCK { TOKEN_BLOCK } else { n };
+    let mut tasks: Vec<(usize, usize, usize, usize)> = Vec::new();
     for (mi, (m, _)) in mats.iter().enumerate() {
         let mut r = 0;
         while r < m.rows {
             let e = (r + block).min(m.rows);
-            tasks.push((mi, r, e));
+            let mut t = 0;
+            while t < n {
+                tasks.push((mi, r, e, t));
+                t += tblock;
+            }
             r = e;
         }
     }
     let split = (isa == Isa::Avx512 && mats.iter().any(|(m, _)| matches!(m.w, Weights::Bf16(_))))
         .then(|| split_even_odd(x, n, k));
-    let input = Input {
-        x,
-        split: split.as_ref().map(|(v, kp)| (&v[..], *kp)),
-    };
     let views: Vec<(Matrix<'_>, OutPtr)> = mats
         .iter_mut()
         .map(|(m, o)| (*m, OutPtr(o.as_mut_ptr())))
         .collect();
     let job = |ti: usize| {
-        let (mi, r0, r1) = tasks[ti];
+        let (mi, r0, r1, t0) = tasks[ti];
+        let t1 = (t0 + tblock).min(n);
         let (m, out) = views[mi];
-        // SAFETY: shapes were checked above; this task writes only rows r0..r1 of `out`.
-        unsafe { rows_kernel(isa, &input, n, k, &m, r0, r1, out.0, m.rows) };
+        let input = Input {
+            x: &x[t0 * k..t1 * k],
+            split: split.as_ref().map(|(v, kp)| (&v[t0 * kp..t1 * kp], *kp)),
+        };
+        // SAFETY: shapes were checked above; this task writes only rows r0..r1 of tokens
+        // t0..t1 of `out`.
+        unsafe {
+            rows_kernel(
+                isa,
+                &input,
+                t1 - t0,
+                k,
+                &m,
+                r0,
+                r1,
+                out.0.add(t0 * m.rows),
+                m.rows,
+            )
+        };
     };
     pool.run(tasks.len(), &job);
 }
@@ -711,7 +736,7 @@ mod tests {
             .map(|_| bf16::from_f32(rng.f()).to_bits())
             .collect();
         let m = Matrix::new(Weights::Bf16(&w), rows, k);
-        let n = 13;
+        let n = 150; // more than TOKEN_BLOCK: token-blocked tasks too
         let x: Vec<f32> = (0..n * k).map(|_| rng.f()).collect();
         for isa in Isa::available() {
             let mut all = vec![0f32; n * rows];
@@ -727,7 +752,7 @@ mod tests {
             }
             // Any split of the tokens gives the same bits.
             let mut parts = vec![0f32; n * rows];
-            for (a, b) in [(0, 4), (4, 9), (9, 13)] {
+            for (a, b) in [(0, 4), (4, 9), (9, 13), (13, 100), (100, 150)] {
                 matmul_with(
                     isa,
                     &pool,

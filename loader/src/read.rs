@@ -621,6 +621,11 @@ fn load_uring(
 ) -> Result<(), LoadFailure> {
     use io_uring::IoUring;
 
+    // Operators can rule io_uring out (some hardened kernels and sandboxes refuse it in ways that
+    // are slow to discover); it is then refused like a failing io_uring_setup.
+    if std::env::var("THAW_IO_URING").is_ok_and(|v| v == "off" || v == "0") {
+        return Err(Refused("io_uring disabled by THAW_IO_URING".into()));
+    }
     let mut files = Vec::with_capacity(plan.shards.len());
     for s in &plan.shards {
         match std::fs::OpenOptions::new()

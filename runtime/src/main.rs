@@ -238,6 +238,12 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
     } else {
         Llama::load_with(&dir, &a.load.options())?
     };
+    if let Some(reason) = &model.load_stats().fallback {
+        eprintln!(
+            "note: loaded with {} instead: {reason}",
+            model.load_stats().strategy
+        );
+    }
     let tok = TextTokenizer::load(&dir)?;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
     let prompt: Vec<u32> = if let Some(p) = &a.prompt {

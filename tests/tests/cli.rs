@@ -409,3 +409,34 @@ fn progress_bar_on_a_terminal() {
     ]);
     assert!(!stderr(&o).contains("loading weights"), "{}", stderr(&o));
 }
+
+/// Where io_uring is refused, uring-direct falls back to buffered reads and says why.
+#[test]
+fn refused_io_uring_falls_back_and_says_so() {
+    model_dir("default");
+    let o = std::process::Command::new(thaw_tests::bin("thaw"))
+        .env("THAW_IO_URING", "off")
+        .args([
+            "generate",
+            "--model",
+            "default",
+            "--chat",
+            "What is the capital of France?",
+            "--max-tokens",
+            "8",
+            "--load-strategy",
+            "uring-direct",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("note: loaded with pread instead: io_uring disabled"),
+        "{}",
+        stderr(&o)
+    );
+    let v: Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(v["timings"]["load"]["strategy"], "pread");
+    assert_eq!(v["text"], "The capital of France is Paris.");
+}
