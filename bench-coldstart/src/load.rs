@@ -42,6 +42,31 @@ pub struct LoadArgs {
     /// safetensors numpy`; numpy has no bfloat16, so use an f16/f32 checkpoint).
     #[arg(long)]
     peer_python: bool,
+    /// Also time llama.cpp's model load (llama-cpp-python's `llama_model_load_from_file`, which
+    /// includes its vocabulary) of this GGUF — e.g. the F16 file of the same weights — against
+    /// thaw's full model load (weights with `auto` + tokenizer) in the same run.
+    #[arg(long)]
+    peer_llama_cpp: Option<PathBuf>,
+}
+
+const LLAMA_CPP_PEER: &str = r#"
+import sys, time, llama_cpp
+llama_cpp.llama_backend_init()
+p = llama_cpp.llama_model_default_params()
+p.use_mmap = True
+t = time.perf_counter()
+m = llama_cpp.llama_model_load_from_file(sys.argv[1].encode(), p)
+dt = time.perf_counter() - t
+if not m:
+    sys.exit("llama.cpp could not load " + sys.argv[1])
+print(dt)
+llama_cpp.llama_model_free(m)
+"#;
+
+fn llama_cpp_load(gguf: &std::path::Path) -> Result<f64> {
+    let out = std::process::Command::new("python3").arg("-c").arg(LLAMA_CPP_PEER).arg(gguf).output()?;
+    anyhow::ensure!(out.status.success(), "llama-cpp-python failed: {}", String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or(""));
+    Ok(String::from_utf8_lossy(&out.stdout).trim().parse()?)
 }
 
 const PY_PEER: &str = r#"
@@ -264,6 +289,34 @@ pub fn run(a: LoadArgs) -> Result<()> {
                 "ours_auto_vs_peer": ours.map(|o| o / med)}));
         }
     }
+    if let Some(gguf) = &a.peer_llama_cpp {
+        let mut all = files.clone();
+        all.push(gguf.clone());
+        for cache in &a.cache {
+            let (mut peer, mut ours) = (Vec::new(), Vec::new());
+            for _ in 0..a.runs {
+                if cache == "cold" {
+                    evict(&all);
+                } else {
+                    warm(&all)?;
+                }
+                peer.push(llama_cpp_load(gguf)? * 1e3);
+                if cache == "cold" {
+                    evict(&all);
+                }
+                let t = Instant::now();
+                let m = thaw_runtime::Llama::load(&dir)?;
+                let tok = thaw_runtime::TextTokenizer::load(&dir)?;
+                ours.push(t.elapsed().as_secs_f64() * 1e3);
+                drop((m, tok));
+            }
+            let (pm, pmin, pmax) = stats(&peer);
+            let (om, omin, omax) = stats(&ours);
+            peers.push(json!({"peer": format!("llama.cpp model load ({})", gguf.display()), "cache": cache,
+                "peer_ms": pm, "peer_min": pmin, "peer_max": pmax,
+                "thaw_model_and_tokenizer_ms": om, "thaw_min": omin, "thaw_max": omax, "thaw_time_vs_peer": om / pm}));
+        }
+    }
     let out = json!({
         "peers": peers,
         "model": dir.display().to_string(), "bytes": bytes, "shards": files.len(), "runs": a.runs,
@@ -316,6 +369,15 @@ pub fn run(a: LoadArgs) -> Result<()> {
         );
     }
     for p in out["peers"].as_array().unwrap() {
+        if let Some(pm) = p["peer_ms"].as_f64() {
+            println!(
+                "peer {} ({}): {pm:.1} ms ({:.1}–{:.1}); thaw model + tokenizer {:.1} ms ({:.1}–{:.1}) = {:.2}x the time",
+                p["peer"].as_str().unwrap(), p["cache"].as_str().unwrap(), p["peer_min"].as_f64().unwrap(), p["peer_max"].as_f64().unwrap(),
+                p["thaw_model_and_tokenizer_ms"].as_f64().unwrap(), p["thaw_min"].as_f64().unwrap(), p["thaw_max"].as_f64().unwrap(),
+                p["thaw_time_vs_peer"].as_f64().unwrap()
+            );
+            continue;
+        }
         println!(
             "peer {} ({}): {:.2} GB/s ({:.2}–{:.2}); thaw auto = {}",
             p["peer"].as_str().unwrap(),

@@ -119,14 +119,14 @@ pub fn matmul_with(
         assert_eq!(out.len(), n * m.rows, "output is not [n, rows]");
     }
     let total_rows: usize = mats.iter().map(|(m, _)| m.rows).sum();
-    // Enough tasks to balance the threads, big enough to amortize claiming one; a multiple of 8.
-    let target = (total_rows / (pool.threads() * 6)).max(8);
+    // Decode (one token): one contiguous share of the rows per thread, so each thread streams a
+    // single long run that the prefetchers stay locked on (measured 4–6% faster decode than
+    // 64-row tasks). Prefill: smaller blocks, as many tasks as it takes to balance the threads.
     let block = if n > 1 {
-        target.clamp(16, 64)
+        (total_rows / (pool.threads() * 6)).clamp(16, 64) / 8 * 8
     } else {
-        target.clamp(8, 64)
-    } / 8
-        * 8;
+        total_rows.div_ceil(pool.threads()).div_ceil(8) * 8
+    };
     // Long prompts are also split into token blocks: with only rows to share out, a 576-row
     // matrix makes 9 big tasks and two threads finish 5 against 4. Each output element is the
     // same dot product whatever block it is in, so this changes no result.

@@ -211,9 +211,16 @@ pub fn attend_one(
             scale: f32,
             out: &mut [f32],
         ) {
-            // SAFETY: this function only runs where AVX-512 was detected.
+            let accum = |o: &mut [f32], p: &[f32], v: &[f32], first: usize, stride: usize| match o.len() {
+                // SAFETY (both): this function only runs where AVX-512 was detected.
+                64 => unsafe { simd::accum_avx512::<4>(o, p, v, first, stride) },
+                128 => unsafe { simd::accum_avx512::<8>(o, p, v, first, stride) },
+                _ => accum_values(o, p, v, first, stride),
+            };
             attend_one_with(
+                // SAFETY: this function only runs where AVX-512 was detected.
                 |a, b| unsafe { simd::dot_avx512(a, b) },
+                accum,
                 q,
                 k,
                 v,
@@ -236,7 +243,7 @@ pub fn attend_one(
             scale: f32,
             out: &mut [f32],
         ) {
-            attend_one_with(dot, q, k, v, visible, stride, off, scale, out)
+            attend_one_with(dot, accum_values, q, k, v, visible, stride, off, scale, out)
         }
         match Isa::detect() {
             // SAFETY: Isa::detect reports only features this CPU has.
@@ -260,12 +267,51 @@ fn attend_one_generic(
     scale: f32,
     out: &mut [f32],
 ) {
-    attend_one_with(dot, q, k, v, visible, stride, off, scale, out)
+    attend_one_with(dot, accum_values, q, k, v, visible, stride, off, scale, out)
+}
+
+/// `out += Σ_j p[j] · v[first + j·stride ..][..out.len()]`, one multiply and one add per element
+/// per key, keys in order.
+#[inline(always)]
+fn accum_values(out: &mut [f32], p: &[f32], v: &[f32], first: usize, stride: usize) {
+    let hd = out.len();
+    for (j, &pj) in p.iter().enumerate() {
+        let row = first + j * stride;
+        for (o, &x) in out.iter_mut().zip(&v[row..row + hd]) {
+            *o += pj * x;
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod simd {
     use std::arch::x86_64::*;
+
+    /// [`super::accum_values`] with the output held in registers across keys (the generic loop
+    /// reloads and stores it for every key); the same multiply-then-add per element, so the same
+    /// bits. `N` = head_dim / 16.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn accum_avx512<const N: usize>(out: &mut [f32], p: &[f32], v: &[f32], first: usize, stride: usize) {
+        assert!(out.len() == N * 16 && (p.is_empty() || first + (p.len() - 1) * stride + N * 16 <= v.len()));
+        // SAFETY: bounds asserted above.
+        unsafe {
+            let mut acc = [_mm512_setzero_ps(); N];
+            for i in 0..N {
+                acc[i] = _mm512_loadu_ps(out.as_ptr().add(16 * i));
+            }
+            for (j, &pj) in p.iter().enumerate() {
+                let pv = _mm512_set1_ps(pj);
+                let row = v.as_ptr().add(first + j * stride);
+                for i in 0..N {
+                    acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(pv, _mm512_loadu_ps(row.add(16 * i))));
+                }
+            }
+            for i in 0..N {
+                _mm512_storeu_ps(out.as_mut_ptr().add(16 * i), acc[i]);
+            }
+        }
+    }
 
     /// [`super::dot`] with explicit AVX-512: the same multiplies, adds and reduction tree in the
     /// same order (so the same bits), without relying on the auto-vectorizer.
@@ -313,6 +359,7 @@ mod simd {
 #[inline(always)]
 fn attend_one_with(
     dot: impl Fn(&[f32], &[f32]) -> f32,
+    accum: impl Fn(&mut [f32], &[f32], &[f32], usize, usize),
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -350,12 +397,7 @@ fn attend_one_with(
         }
         l = l * c + combine(lanes);
         out.iter_mut().for_each(|o| *o *= c);
-        for (j, &p) in sb.iter().enumerate() {
-            let row = (b + j) * stride + off;
-            for (o, &x) in out.iter_mut().zip(&v[row..row + hd]) {
-                *o += p * x;
-            }
-        }
+        accum(out, sb, v, b * stride + off, stride);
         m = m_new;
         b = e;
     }
@@ -489,6 +531,13 @@ mod tests {
         attend_one(&q, &k, &v, len, stride, 64, 0.125, &mut a);
         attend_one_generic(&q, &k, &v, len, stride, 64, 0.125, &mut b);
         assert_eq!(a, b);
+        for hd in [128, 40] {
+            let q: Vec<f32> = (0..hd).map(|_| r() * 3.0).collect();
+            let (mut a, mut b) = (vec![0f32; hd], vec![0f32; hd]);
+            attend_one(&q, &k, &v, len, stride, 32, 0.1, &mut a);
+            attend_one_generic(&q, &k, &v, len, stride, 32, 0.1, &mut b);
+            assert_eq!(a, b, "hd {hd}");
+        }
         let x: Vec<f32> = (0..3 * 577).map(|_| r()).collect();
         let w: Vec<f32> = (0..577).map(|_| r()).collect();
         let (mut a, mut b) = (vec![0f32; x.len()], vec![0f32; x.len()]);

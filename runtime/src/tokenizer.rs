@@ -8,8 +8,9 @@ use crate::RuntimeError;
 pub struct TextTokenizer {
     /// Special tokens (`<|im_start|>`…) in the text become their ids.
     special: tokenizers::Tokenizer,
-    /// Special-token strings in the text are ordinary text.
-    plain: tokenizers::Tokenizer,
+    /// Special-token strings in the text are ordinary text (built on first use: a clone of the
+    /// whole vocabulary is not worth paying at every start).
+    plain: std::sync::OnceLock<tokenizers::Tokenizer>,
     pub add_bos: bool,
     pub bos_token: Option<String>,
     pub eos_token: Option<String>,
@@ -36,8 +37,6 @@ impl TextTokenizer {
         let bytes = std::fs::read(&path).map_err(|e| RuntimeError::io(&path, e))?;
         let special = tokenizers::Tokenizer::from_bytes(&bytes)
             .map_err(|e| RuntimeError::Tokenizer(format!("{}: {e}", path.display())))?;
-        let mut plain = special.clone();
-        plain.set_encode_special_tokens(true);
         let cfg_path = dir.join("tokenizer_config.json");
         let cfg: serde_json::Value = match std::fs::read_to_string(&cfg_path) {
             Ok(t) => serde_json::from_str(&t)
@@ -62,17 +61,21 @@ impl TextTokenizer {
                 .and_then(|v| v.as_str())
                 .map(str::to_string),
             special,
-            plain,
+            plain: std::sync::OnceLock::new(),
         })
     }
 
     /// Encodes `text`; with `parse_special`, special-token strings become their ids. A BOS id is
     /// prepended only when the tokenizer config asks for it.
     pub fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>, RuntimeError> {
-        let tk = if parse_special {
+        let tk: &tokenizers::Tokenizer = if parse_special {
             &self.special
         } else {
-            &self.plain
+            self.plain.get_or_init(|| {
+                let mut p = self.special.clone();
+                p.set_encode_special_tokens(true);
+                p
+            })
         };
         let enc = tk
             .encode(text, false)
