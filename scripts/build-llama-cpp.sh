@@ -3,6 +3,7 @@
 # llama-cpp-python source package on PyPI, for side-by-side benchmarks, and makes the default
 # model's F16 GGUF (the same weights as thaw's bf16 conversion, dequantized from the Q4_1 file).
 # Output: $THAW_HOME/peers/llama.cpp/bin/…, $THAW_HOME/peers/SmolLM2-135M-Instruct.{F16,Q4_1}.gguf
+# With --python, also installs llama-cpp-python (for `bench-coldstart load --peer-llama-cpp`).
 set -euo pipefail
 home="${THAW_HOME:-$HOME/.cache/thaw}"
 peers="$home/peers"
@@ -27,5 +28,10 @@ q41="$home/downloads/SmolLM2-135M-Instruct.Q4_1.gguf"
 cp -n "$q41" "$peers/SmolLM2-135M-Instruct.Q4_1.gguf"
 if [ ! -f "$peers/SmolLM2-135M-Instruct.F16.gguf" ]; then
   LD_LIBRARY_PATH="$peers/llama.cpp/lib" "$peers/llama.cpp/bin/llama-quantize" --allow-requantize "$q41" "$peers/SmolLM2-135M-Instruct.F16.gguf" F16 >/dev/null
+fi
+# The load benchmark's llama.cpp peer goes through llama-cpp-python (same version, built here).
+if [ "${1:-}" = "--python" ] && ! python3 -c "import llama_cpp" 2>/dev/null; then
+  CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF" \
+    python3 -m pip install --quiet --no-binary=llama-cpp-python "llama-cpp-python==$version"
 fi
 echo "$peers"
