@@ -64,8 +64,19 @@ llama_cpp.llama_model_free(m)
 "#;
 
 fn llama_cpp_load(gguf: &std::path::Path) -> Result<f64> {
-    let out = std::process::Command::new("python3").arg("-c").arg(LLAMA_CPP_PEER).arg(gguf).output()?;
-    anyhow::ensure!(out.status.success(), "llama-cpp-python failed: {}", String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or(""));
+    let out = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(LLAMA_CPP_PEER)
+        .arg(gguf)
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "llama-cpp-python failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+            .lines()
+            .last()
+            .unwrap_or("")
+    );
     Ok(String::from_utf8_lossy(&out.stdout).trim().parse()?)
 }
 

@@ -211,12 +211,13 @@ pub fn attend_one(
             scale: f32,
             out: &mut [f32],
         ) {
-            let accum = |o: &mut [f32], p: &[f32], v: &[f32], first: usize, stride: usize| match o.len() {
-                // SAFETY (both): this function only runs where AVX-512 was detected.
-                64 => unsafe { simd::accum_avx512::<4>(o, p, v, first, stride) },
-                128 => unsafe { simd::accum_avx512::<8>(o, p, v, first, stride) },
-                _ => accum_values(o, p, v, first, stride),
-            };
+            let accum =
+                |o: &mut [f32], p: &[f32], v: &[f32], first: usize, stride: usize| match o.len() {
+                    // SAFETY (both): this function only runs where AVX-512 was detected.
+                    64 => unsafe { simd::accum_avx512::<4>(o, p, v, first, stride) },
+                    128 => unsafe { simd::accum_avx512::<8>(o, p, v, first, stride) },
+                    _ => accum_values(o, p, v, first, stride),
+                };
             attend_one_with(
                 // SAFETY: this function only runs where AVX-512 was detected.
                 |a, b| unsafe { simd::dot_avx512(a, b) },
@@ -292,8 +293,17 @@ mod simd {
     /// bits. `N` = head_dim / 16.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn accum_avx512<const N: usize>(out: &mut [f32], p: &[f32], v: &[f32], first: usize, stride: usize) {
-        assert!(out.len() == N * 16 && (p.is_empty() || first + (p.len() - 1) * stride + N * 16 <= v.len()));
+    pub(super) unsafe fn accum_avx512<const N: usize>(
+        out: &mut [f32],
+        p: &[f32],
+        v: &[f32],
+        first: usize,
+        stride: usize,
+    ) {
+        assert!(
+            out.len() == N * 16
+                && (p.is_empty() || first + (p.len() - 1) * stride + N * 16 <= v.len())
+        );
         // SAFETY: bounds asserted above.
         unsafe {
             let mut acc = [_mm512_setzero_ps(); N];
@@ -304,7 +314,8 @@ mod simd {
                 let pv = _mm512_set1_ps(pj);
                 let row = v.as_ptr().add(first + j * stride);
                 for i in 0..N {
-                    acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(pv, _mm512_loadu_ps(row.add(16 * i))));
+                    acc[i] =
+                        _mm512_add_ps(acc[i], _mm512_mul_ps(pv, _mm512_loadu_ps(row.add(16 * i))));
                 }
             }
             for i in 0..N {
