@@ -176,7 +176,7 @@ pub fn attention(
         let visible = len - n + t + 1;
         // SAFETY: each task writes the disjoint row (t, h) of `out`, whose bounds were asserted.
         let o = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add((t * nh + h) * hd), hd) };
-        attend_one(qr, k, v, visible, nkv * hd, kvh * hd, scale, o);
+        attend_one(qr, k, v, visible, KvLayout::Contiguous { stride: nkv * hd, off: kvh * hd }, scale, o);
     };
     pool.run(n * nh, &job);
 }
@@ -185,99 +185,69 @@ pub fn attention(
 /// depends only on its own position, never on how many queries share the call.
 pub const ATTN_BLOCK: usize = 64;
 
+/// Where key/value row `j` of one KV head starts in the K and V storage.
+#[derive(Clone, Copy, Debug)]
+pub enum KvLayout<'a> {
+    /// Row `j` at `j · stride + off`.
+    Contiguous { stride: usize, off: usize },
+    /// Paged: row `j` is slot `j % block_size` of block `table[j / block_size]`, at
+    /// `table[..] · block_stride + slot · stride + off`.
+    Paged { table: &'a [u32], block_size: usize, block_stride: usize, stride: usize, off: usize },
+}
+
+impl KvLayout<'_> {
+    #[inline(always)]
+    pub fn row(&self, j: usize) -> usize {
+        match *self {
+            KvLayout::Contiguous { stride, off } => j * stride + off,
+            KvLayout::Paged { table, block_size, block_stride, stride, off } => {
+                table[j / block_size] as usize * block_stride + (j % block_size) * stride + off
+            }
+        }
+    }
+}
+
 /// One query row against `visible` keys (see [`attend_one_with`]), on the best SIMD path.
-#[allow(clippy::too_many_arguments)]
-pub fn attend_one(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    visible: usize,
-    stride: usize,
-    off: usize,
-    scale: f32,
-    out: &mut [f32],
-) {
+pub fn attend_one(q: &[f32], k: &[f32], v: &[f32], visible: usize, layout: KvLayout<'_>, scale: f32, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-        #[allow(clippy::too_many_arguments)]
-        unsafe fn avx512(
-            q: &[f32],
-            k: &[f32],
-            v: &[f32],
-            visible: usize,
-            stride: usize,
-            off: usize,
-            scale: f32,
-            out: &mut [f32],
-        ) {
-            let accum =
-                |o: &mut [f32], p: &[f32], v: &[f32], first: usize, stride: usize| match o.len() {
-                    // SAFETY (both): this function only runs where AVX-512 was detected.
-                    64 => unsafe { simd::accum_avx512::<4>(o, p, v, first, stride) },
-                    128 => unsafe { simd::accum_avx512::<8>(o, p, v, first, stride) },
-                    _ => accum_values(o, p, v, first, stride),
-                };
-            attend_one_with(
-                // SAFETY: this function only runs where AVX-512 was detected.
-                |a, b| unsafe { simd::dot_avx512(a, b) },
-                accum,
-                q,
-                k,
-                v,
-                visible,
-                stride,
-                off,
-                scale,
-                out,
-            )
+        unsafe fn avx512(q: &[f32], k: &[f32], v: &[f32], visible: usize, layout: KvLayout<'_>, scale: f32, out: &mut [f32]) {
+            let accum = |o: &mut [f32], p: &[f32], v: &[f32], first: usize, layout: &KvLayout<'_>| match o.len() {
+                // SAFETY (both): this function only runs where AVX-512 was detected.
+                64 => unsafe { simd::accum_avx512::<4>(o, p, v, first, layout) },
+                128 => unsafe { simd::accum_avx512::<8>(o, p, v, first, layout) },
+                _ => accum_values(o, p, v, first, layout),
+            };
+            // SAFETY: this function only runs where AVX-512 was detected.
+            attend_one_with(|a, b| unsafe { simd::dot_avx512(a, b) }, accum, q, k, v, visible, layout, scale, out)
         }
         #[target_feature(enable = "avx2,fma")]
-        #[allow(clippy::too_many_arguments)]
-        unsafe fn avx2(
-            q: &[f32],
-            k: &[f32],
-            v: &[f32],
-            visible: usize,
-            stride: usize,
-            off: usize,
-            scale: f32,
-            out: &mut [f32],
-        ) {
-            attend_one_with(dot, accum_values, q, k, v, visible, stride, off, scale, out)
+        unsafe fn avx2(q: &[f32], k: &[f32], v: &[f32], visible: usize, layout: KvLayout<'_>, scale: f32, out: &mut [f32]) {
+            attend_one_with(dot, accum_values, q, k, v, visible, layout, scale, out)
         }
         match Isa::detect() {
             // SAFETY: Isa::detect reports only features this CPU has.
-            Isa::Avx512 => return unsafe { avx512(q, k, v, visible, stride, off, scale, out) },
+            Isa::Avx512 => return unsafe { avx512(q, k, v, visible, layout, scale, out) },
             // SAFETY: as above.
-            Isa::Avx2 => return unsafe { avx2(q, k, v, visible, stride, off, scale, out) },
+            Isa::Avx2 => return unsafe { avx2(q, k, v, visible, layout, scale, out) },
             Isa::Scalar => {}
         }
     }
-    attend_one_generic(q, k, v, visible, stride, off, scale, out)
+    attend_one_generic(q, k, v, visible, layout, scale, out)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn attend_one_generic(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    visible: usize,
-    stride: usize,
-    off: usize,
-    scale: f32,
-    out: &mut [f32],
-) {
-    attend_one_with(dot, accum_values, q, k, v, visible, stride, off, scale, out)
+fn attend_one_generic(q: &[f32], k: &[f32], v: &[f32], visible: usize, layout: KvLayout<'_>, scale: f32, out: &mut [f32]) {
+    attend_one_with(dot, accum_values, q, k, v, visible, layout, scale, out)
 }
 
-/// `out += Σ_j p[j] · v[first + j·stride ..][..out.len()]`, one multiply and one add per element
-/// per key, keys in order.
+/// `out += Σ_j p[j] · v[row(first + j)][..out.len()]`, one multiply and one add per element per
+/// key, keys in order.
 #[inline(always)]
-fn accum_values(out: &mut [f32], p: &[f32], v: &[f32], first: usize, stride: usize) {
+fn accum_values(out: &mut [f32], p: &[f32], v: &[f32], first: usize, layout: &KvLayout<'_>) {
     let hd = out.len();
     for (j, &pj) in p.iter().enumerate() {
-        let row = first + j * stride;
+        let row = layout.row(first + j);
         for (o, &x) in out.iter_mut().zip(&v[row..row + hd]) {
             *o += pj * x;
         }
@@ -286,6 +256,7 @@ fn accum_values(out: &mut [f32], p: &[f32], v: &[f32], first: usize, stride: usi
 
 #[cfg(target_arch = "x86_64")]
 mod simd {
+    use super::KvLayout;
     use std::arch::x86_64::*;
 
     /// [`super::accum_values`] with the output held in registers across keys (the generic loop
@@ -293,29 +264,21 @@ mod simd {
     /// bits. `N` = head_dim / 16.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn accum_avx512<const N: usize>(
-        out: &mut [f32],
-        p: &[f32],
-        v: &[f32],
-        first: usize,
-        stride: usize,
-    ) {
-        assert!(
-            out.len() == N * 16
-                && (p.is_empty() || first + (p.len() - 1) * stride + N * 16 <= v.len())
-        );
-        // SAFETY: bounds asserted above.
+    pub(super) unsafe fn accum_avx512<const N: usize>(out: &mut [f32], p: &[f32], v: &[f32], first: usize, layout: &KvLayout<'_>) {
+        assert_eq!(out.len(), N * 16);
+        // SAFETY: every row is bounds-checked against `v` before it is read.
         unsafe {
             let mut acc = [_mm512_setzero_ps(); N];
             for i in 0..N {
                 acc[i] = _mm512_loadu_ps(out.as_ptr().add(16 * i));
             }
             for (j, &pj) in p.iter().enumerate() {
+                let r = layout.row(first + j);
+                assert!(r + N * 16 <= v.len(), "value row out of bounds");
                 let pv = _mm512_set1_ps(pj);
-                let row = v.as_ptr().add(first + j * stride);
+                let row = v.as_ptr().add(r);
                 for i in 0..N {
-                    acc[i] =
-                        _mm512_add_ps(acc[i], _mm512_mul_ps(pv, _mm512_loadu_ps(row.add(16 * i))));
+                    acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(pv, _mm512_loadu_ps(row.add(16 * i))));
                 }
             }
             for i in 0..N {
@@ -365,18 +328,20 @@ mod simd {
 }
 
 /// One query row against `visible` keys: flash-style online softmax over blocks of keys — scores
-/// of a block, one rescale of the running output per block, exponentials vectorized.
+/// of a block, one rescale of the running output per block, exponentials vectorized. Key blocks
+/// start at absolute positions (multiples of [`ATTN_BLOCK`]) and every step is per query row, so
+/// the result depends only on the row's own position and the keys' values — not on the batch,
+/// the chunking of the prompt, or where the KV rows are stored.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn attend_one_with(
     dot: impl Fn(&[f32], &[f32]) -> f32,
-    accum: impl Fn(&mut [f32], &[f32], &[f32], usize, usize),
+    accum: impl Fn(&mut [f32], &[f32], &[f32], usize, &KvLayout<'_>),
     q: &[f32],
     k: &[f32],
     v: &[f32],
     visible: usize,
-    stride: usize,
-    off: usize,
+    layout: KvLayout<'_>,
     scale: f32,
     out: &mut [f32],
 ) {
@@ -390,16 +355,12 @@ fn attend_one_with(
         let e = (b + ATTN_BLOCK).min(visible);
         let sb = &mut s[..e - b];
         for (j, sj) in sb.iter_mut().enumerate() {
-            let row = (b + j) * stride + off;
+            let row = layout.row(b + j);
             *sj = dot(q, &k[row..row + hd]) * scale;
         }
         let bm = sb.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let m_new = m.max(bm);
-        let c = if m == f32::NEG_INFINITY {
-            0.0
-        } else {
-            exp_approx(m - m_new)
-        };
+        let c = if m == f32::NEG_INFINITY { 0.0 } else { exp_approx(m - m_new) };
         sb.iter_mut().for_each(|x| *x -= m_new);
         exp_inplace(sb);
         let mut lanes = [0f32; L];
@@ -408,7 +369,7 @@ fn attend_one_with(
         }
         l = l * c + combine(lanes);
         out.iter_mut().for_each(|o| *o *= c);
-        accum(out, sb, v, b * stride + off, stride);
+        accum(out, sb, v, b, &layout);
         m = m_new;
         b = e;
     }
@@ -539,14 +500,14 @@ mod tests {
             let _ = d;
         }
         let (mut a, mut b) = (vec![0f32; hd], vec![0f32; hd]);
-        attend_one(&q, &k, &v, len, stride, 64, 0.125, &mut a);
-        attend_one_generic(&q, &k, &v, len, stride, 64, 0.125, &mut b);
+        attend_one(&q, &k, &v, len, KvLayout::Contiguous { stride, off: 64 }, 0.125, &mut a);
+        attend_one_generic(&q, &k, &v, len, KvLayout::Contiguous { stride, off: 64 }, 0.125, &mut b);
         assert_eq!(a, b);
         for hd in [128, 40] {
             let q: Vec<f32> = (0..hd).map(|_| r() * 3.0).collect();
             let (mut a, mut b) = (vec![0f32; hd], vec![0f32; hd]);
-            attend_one(&q, &k, &v, len, stride, 32, 0.1, &mut a);
-            attend_one_generic(&q, &k, &v, len, stride, 32, 0.1, &mut b);
+            attend_one(&q, &k, &v, len, KvLayout::Contiguous { stride, off: 32 }, 0.1, &mut a);
+            attend_one_generic(&q, &k, &v, len, KvLayout::Contiguous { stride, off: 32 }, 0.1, &mut b);
             assert_eq!(a, b, "hd {hd}");
         }
         let x: Vec<f32> = (0..3 * 577).map(|_| r()).collect();
@@ -559,6 +520,33 @@ mod tests {
         silu_mul(&mut a, &x);
         silu_mul_generic(&mut b, &x);
         assert_eq!(a, b);
+    }
+
+    /// The same rows stored in scattered blocks give the same bits as stored contiguously.
+    #[test]
+    fn paged_layout_matches_contiguous_bits() {
+        let mut r = rng(21);
+        let (len, kv_dim, bs, hd) = (150usize, 192usize, 16usize, 64usize);
+        let k: Vec<f32> = (0..len * kv_dim).map(|_| r() * 3.0).collect();
+        let v: Vec<f32> = (0..len * kv_dim).map(|_| r()).collect();
+        let n_blocks = len.div_ceil(bs);
+        // Block i of the sequence lives in physical block table[i] (a permutation, plus spares).
+        let table: Vec<u32> = (0..n_blocks as u32).map(|i| (i * 7 + 3) % (n_blocks as u32 + 2)).collect();
+        let block_stride = bs * kv_dim;
+        let (mut kp, mut vp) = (vec![0f32; (n_blocks + 2) * block_stride], vec![0f32; (n_blocks + 2) * block_stride]);
+        for j in 0..len {
+            let dst = table[j / bs] as usize * block_stride + (j % bs) * kv_dim;
+            kp[dst..dst + kv_dim].copy_from_slice(&k[j * kv_dim..(j + 1) * kv_dim]);
+            vp[dst..dst + kv_dim].copy_from_slice(&v[j * kv_dim..(j + 1) * kv_dim]);
+        }
+        let q: Vec<f32> = (0..hd).map(|_| r() * 3.0).collect();
+        for visible in [1, 16, 17, 64, 65, 150] {
+            let (mut a, mut b) = (vec![0f32; hd], vec![0f32; hd]);
+            attend_one(&q, &k, &v, visible, KvLayout::Contiguous { stride: kv_dim, off: 128 }, 0.125, &mut a);
+            let paged = KvLayout::Paged { table: &table, block_size: bs, block_stride, stride: kv_dim, off: 128 };
+            attend_one(&q, &kp, &vp, visible, paged, 0.125, &mut b);
+            assert_eq!(a, b, "visible {visible}");
+        }
     }
 
     #[test]
