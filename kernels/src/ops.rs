@@ -176,7 +176,81 @@ pub fn attention(
         let visible = len - n + t + 1;
         // SAFETY: each task writes the disjoint row (t, h) of `out`, whose bounds were asserted.
         let o = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add((t * nh + h) * hd), hd) };
-        attend_one(qr, k, v, visible, KvLayout::Contiguous { stride: nkv * hd, off: kvh * hd }, scale, o);
+        attend_one(
+            qr,
+            k,
+            v,
+            visible,
+            KvLayout::Contiguous {
+                stride: nkv * hd,
+                off: kvh * hd,
+            },
+            scale,
+            o,
+        );
+    };
+    pool.run(n * nh, &job);
+}
+
+/// One query row of [`paged_attention`]: its position and its sequence's block table.
+#[derive(Clone, Copy, Debug)]
+pub struct PagedRow<'a> {
+    pub pos: usize,
+    pub table: &'a [u32],
+}
+
+/// Where one layer's keys and values sit in a paged store: block `b`, slot `s`, KV head `h`
+/// starts at `b · block_stride + layer_off + s · kv_dim + h · head_dim`.
+#[derive(Clone, Copy, Debug)]
+pub struct PagedStore {
+    pub block_size: usize,
+    pub block_stride: usize,
+    pub layer_off: usize,
+}
+
+/// Causal GQA attention for query rows of any number of sequences, each reading its keys and
+/// values through its block table (positions `0..=pos`). Same per-row computation as
+/// [`attention`], so batching and paging change no bits.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention(
+    pool: &ThreadPool,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    rows: &[PagedRow<'_>],
+    store: PagedStore,
+    s: AttnShape,
+    out: &mut [f32],
+) {
+    let (hd, nh, nkv) = (s.head_dim, s.n_heads, s.n_kv_heads);
+    let n = rows.len();
+    assert!(nh % nkv == 0);
+    assert_eq!(q.len(), n * nh * hd);
+    assert_eq!(out.len(), n * nh * hd);
+    for r in rows {
+        assert!(
+            r.table.len() * store.block_size > r.pos,
+            "block table too short for position {}",
+            r.pos
+        );
+    }
+    let group = nh / nkv;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let out_ptr = SyncPtr(out.as_mut_ptr());
+    let job = |task: usize| {
+        let (t, h) = (task / nh, task % nh);
+        let kvh = h / group;
+        let qr = &q[(t * nh + h) * hd..(t * nh + h + 1) * hd];
+        let layout = KvLayout::Paged {
+            table: rows[t].table,
+            block_size: store.block_size,
+            block_stride: store.block_stride,
+            stride: nkv * hd,
+            off: store.layer_off + kvh * hd,
+        };
+        // SAFETY: each task writes the disjoint row (t, h) of `out`, whose bounds were asserted.
+        let o = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add((t * nh + h) * hd), hd) };
+        attend_one(qr, k, v, rows[t].pos + 1, layout, scale, o);
     };
     pool.run(n * nh, &job);
 }
@@ -192,7 +266,13 @@ pub enum KvLayout<'a> {
     Contiguous { stride: usize, off: usize },
     /// Paged: row `j` is slot `j % block_size` of block `table[j / block_size]`, at
     /// `table[..] · block_stride + slot · stride + off`.
-    Paged { table: &'a [u32], block_size: usize, block_stride: usize, stride: usize, off: usize },
+    Paged {
+        table: &'a [u32],
+        block_size: usize,
+        block_stride: usize,
+        stride: usize,
+        off: usize,
+    },
 }
 
 impl KvLayout<'_> {
@@ -200,30 +280,71 @@ impl KvLayout<'_> {
     pub fn row(&self, j: usize) -> usize {
         match *self {
             KvLayout::Contiguous { stride, off } => j * stride + off,
-            KvLayout::Paged { table, block_size, block_stride, stride, off } => {
-                table[j / block_size] as usize * block_stride + (j % block_size) * stride + off
-            }
+            KvLayout::Paged {
+                table,
+                block_size,
+                block_stride,
+                stride,
+                off,
+            } => table[j / block_size] as usize * block_stride + (j % block_size) * stride + off,
         }
     }
 }
 
 /// One query row against `visible` keys (see [`attend_one_with`]), on the best SIMD path.
-pub fn attend_one(q: &[f32], k: &[f32], v: &[f32], visible: usize, layout: KvLayout<'_>, scale: f32, out: &mut [f32]) {
+pub fn attend_one(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    visible: usize,
+    layout: KvLayout<'_>,
+    scale: f32,
+    out: &mut [f32],
+) {
     #[cfg(target_arch = "x86_64")]
     {
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-        unsafe fn avx512(q: &[f32], k: &[f32], v: &[f32], visible: usize, layout: KvLayout<'_>, scale: f32, out: &mut [f32]) {
-            let accum = |o: &mut [f32], p: &[f32], v: &[f32], first: usize, layout: &KvLayout<'_>| match o.len() {
-                // SAFETY (both): this function only runs where AVX-512 was detected.
-                64 => unsafe { simd::accum_avx512::<4>(o, p, v, first, layout) },
-                128 => unsafe { simd::accum_avx512::<8>(o, p, v, first, layout) },
-                _ => accum_values(o, p, v, first, layout),
-            };
+        unsafe fn avx512(
+            q: &[f32],
+            k: &[f32],
+            v: &[f32],
+            visible: usize,
+            layout: KvLayout<'_>,
+            scale: f32,
+            out: &mut [f32],
+        ) {
+            let accum =
+                |o: &mut [f32], p: &[f32], v: &[f32], first: usize, layout: &KvLayout<'_>| match o
+                    .len()
+                {
+                    // SAFETY (both): this function only runs where AVX-512 was detected.
+                    64 => unsafe { simd::accum_avx512::<4>(o, p, v, first, layout) },
+                    128 => unsafe { simd::accum_avx512::<8>(o, p, v, first, layout) },
+                    _ => accum_values(o, p, v, first, layout),
+                };
             // SAFETY: this function only runs where AVX-512 was detected.
-            attend_one_with(|a, b| unsafe { simd::dot_avx512(a, b) }, accum, q, k, v, visible, layout, scale, out)
+            attend_one_with(
+                |a, b| unsafe { simd::dot_avx512(a, b) },
+                accum,
+                q,
+                k,
+                v,
+                visible,
+                layout,
+                scale,
+                out,
+            )
         }
         #[target_feature(enable = "avx2,fma")]
-        unsafe fn avx2(q: &[f32], k: &[f32], v: &[f32], visible: usize, layout: KvLayout<'_>, scale: f32, out: &mut [f32]) {
+        unsafe fn avx2(
+            q: &[f32],
+            k: &[f32],
+            v: &[f32],
+            visible: usize,
+            layout: KvLayout<'_>,
+            scale: f32,
+            out: &mut [f32],
+        ) {
             attend_one_with(dot, accum_values, q, k, v, visible, layout, scale, out)
         }
         match Isa::detect() {
@@ -237,7 +358,15 @@ pub fn attend_one(q: &[f32], k: &[f32], v: &[f32], visible: usize, layout: KvLay
     attend_one_generic(q, k, v, visible, layout, scale, out)
 }
 
-fn attend_one_generic(q: &[f32], k: &[f32], v: &[f32], visible: usize, layout: KvLayout<'_>, scale: f32, out: &mut [f32]) {
+fn attend_one_generic(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    visible: usize,
+    layout: KvLayout<'_>,
+    scale: f32,
+    out: &mut [f32],
+) {
     attend_one_with(dot, accum_values, q, k, v, visible, layout, scale, out)
 }
 
@@ -264,7 +393,13 @@ mod simd {
     /// bits. `N` = head_dim / 16.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn accum_avx512<const N: usize>(out: &mut [f32], p: &[f32], v: &[f32], first: usize, layout: &KvLayout<'_>) {
+    pub(super) unsafe fn accum_avx512<const N: usize>(
+        out: &mut [f32],
+        p: &[f32],
+        v: &[f32],
+        first: usize,
+        layout: &KvLayout<'_>,
+    ) {
         assert_eq!(out.len(), N * 16);
         // SAFETY: every row is bounds-checked against `v` before it is read.
         unsafe {
@@ -278,7 +413,8 @@ mod simd {
                 let pv = _mm512_set1_ps(pj);
                 let row = v.as_ptr().add(r);
                 for i in 0..N {
-                    acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(pv, _mm512_loadu_ps(row.add(16 * i))));
+                    acc[i] =
+                        _mm512_add_ps(acc[i], _mm512_mul_ps(pv, _mm512_loadu_ps(row.add(16 * i))));
                 }
             }
             for i in 0..N {
@@ -360,7 +496,11 @@ fn attend_one_with(
         }
         let bm = sb.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let m_new = m.max(bm);
-        let c = if m == f32::NEG_INFINITY { 0.0 } else { exp_approx(m - m_new) };
+        let c = if m == f32::NEG_INFINITY {
+            0.0
+        } else {
+            exp_approx(m - m_new)
+        };
         sb.iter_mut().for_each(|x| *x -= m_new);
         exp_inplace(sb);
         let mut lanes = [0f32; L];
@@ -500,14 +640,46 @@ mod tests {
             let _ = d;
         }
         let (mut a, mut b) = (vec![0f32; hd], vec![0f32; hd]);
-        attend_one(&q, &k, &v, len, KvLayout::Contiguous { stride, off: 64 }, 0.125, &mut a);
-        attend_one_generic(&q, &k, &v, len, KvLayout::Contiguous { stride, off: 64 }, 0.125, &mut b);
+        attend_one(
+            &q,
+            &k,
+            &v,
+            len,
+            KvLayout::Contiguous { stride, off: 64 },
+            0.125,
+            &mut a,
+        );
+        attend_one_generic(
+            &q,
+            &k,
+            &v,
+            len,
+            KvLayout::Contiguous { stride, off: 64 },
+            0.125,
+            &mut b,
+        );
         assert_eq!(a, b);
         for hd in [128, 40] {
             let q: Vec<f32> = (0..hd).map(|_| r() * 3.0).collect();
             let (mut a, mut b) = (vec![0f32; hd], vec![0f32; hd]);
-            attend_one(&q, &k, &v, len, KvLayout::Contiguous { stride, off: 32 }, 0.1, &mut a);
-            attend_one_generic(&q, &k, &v, len, KvLayout::Contiguous { stride, off: 32 }, 0.1, &mut b);
+            attend_one(
+                &q,
+                &k,
+                &v,
+                len,
+                KvLayout::Contiguous { stride, off: 32 },
+                0.1,
+                &mut a,
+            );
+            attend_one_generic(
+                &q,
+                &k,
+                &v,
+                len,
+                KvLayout::Contiguous { stride, off: 32 },
+                0.1,
+                &mut b,
+            );
             assert_eq!(a, b, "hd {hd}");
         }
         let x: Vec<f32> = (0..3 * 577).map(|_| r()).collect();
@@ -531,9 +703,14 @@ mod tests {
         let v: Vec<f32> = (0..len * kv_dim).map(|_| r()).collect();
         let n_blocks = len.div_ceil(bs);
         // Block i of the sequence lives in physical block table[i] (a permutation, plus spares).
-        let table: Vec<u32> = (0..n_blocks as u32).map(|i| (i * 7 + 3) % (n_blocks as u32 + 2)).collect();
+        let table: Vec<u32> = (0..n_blocks as u32)
+            .map(|i| (i * 7 + 3) % (n_blocks as u32 + 2))
+            .collect();
         let block_stride = bs * kv_dim;
-        let (mut kp, mut vp) = (vec![0f32; (n_blocks + 2) * block_stride], vec![0f32; (n_blocks + 2) * block_stride]);
+        let (mut kp, mut vp) = (
+            vec![0f32; (n_blocks + 2) * block_stride],
+            vec![0f32; (n_blocks + 2) * block_stride],
+        );
         for j in 0..len {
             let dst = table[j / bs] as usize * block_stride + (j % bs) * kv_dim;
             kp[dst..dst + kv_dim].copy_from_slice(&k[j * kv_dim..(j + 1) * kv_dim]);
@@ -542,8 +719,25 @@ mod tests {
         let q: Vec<f32> = (0..hd).map(|_| r() * 3.0).collect();
         for visible in [1, 16, 17, 64, 65, 150] {
             let (mut a, mut b) = (vec![0f32; hd], vec![0f32; hd]);
-            attend_one(&q, &k, &v, visible, KvLayout::Contiguous { stride: kv_dim, off: 128 }, 0.125, &mut a);
-            let paged = KvLayout::Paged { table: &table, block_size: bs, block_stride, stride: kv_dim, off: 128 };
+            attend_one(
+                &q,
+                &k,
+                &v,
+                visible,
+                KvLayout::Contiguous {
+                    stride: kv_dim,
+                    off: 128,
+                },
+                0.125,
+                &mut a,
+            );
+            let paged = KvLayout::Paged {
+                table: &table,
+                block_size: bs,
+                block_stride,
+                stride: kv_dim,
+                off: 128,
+            };
             attend_one(&q, &kp, &vp, visible, paged, 0.125, &mut b);
             assert_eq!(a, b, "visible {visible}");
         }

@@ -46,18 +46,92 @@ pub struct Llama {
     pub weight_dtype: Dtype,
 }
 
-/// Per-sequence attention history: keys and values of every position so far, per layer.
+/// Keys and values of every layer in fixed-size blocks, laid out `[block][layer][slot][kv_dim]`:
+/// a block holds `block_size` positions of all layers, so the store grows by appending blocks and
+/// a block id means the same thing in every layer. Which block holds which positions of which
+/// sequence is the caller's block table ([`crate::kv::BlockManager`] hands them out).
+pub struct PagedKv {
+    block_size: usize,
+    layers: usize,
+    kv_dim: usize,
+    blocks: usize,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+impl PagedKv {
+    pub fn new(cfg: &ModelConfig, block_size: usize, blocks: usize) -> PagedKv {
+        let mut kv = PagedKv {
+            block_size,
+            layers: cfg.num_hidden_layers,
+            kv_dim: cfg.kv_dim(),
+            blocks: 0,
+            k: vec![],
+            v: vec![],
+        };
+        kv.grow(blocks);
+        kv
+    }
+    /// Bytes one block takes (keys and values, all layers, f32).
+    pub fn bytes_per_block(cfg: &ModelConfig, block_size: usize) -> usize {
+        2 * cfg.num_hidden_layers * block_size * cfg.kv_dim() * 4
+    }
+    pub fn blocks(&self) -> usize {
+        self.blocks
+    }
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+    fn block_stride(&self) -> usize {
+        self.layers * self.block_size * self.kv_dim
+    }
+    /// Makes room for at least `blocks` blocks.
+    pub fn grow(&mut self, blocks: usize) {
+        if blocks > self.blocks {
+            self.blocks = blocks;
+            self.k.resize(blocks * self.block_stride(), 0.0);
+            self.v.resize(blocks * self.block_stride(), 0.0);
+        }
+    }
+    fn store(&self, layer: usize) -> ops::PagedStore {
+        ops::PagedStore {
+            block_size: self.block_size,
+            block_stride: self.block_stride(),
+            layer_off: layer * self.block_size * self.kv_dim,
+        }
+    }
+    /// Float offset of position `pos` of layer `layer` for a sequence with block table `table`.
+    fn slot(&self, layer: usize, table: &[u32], pos: usize) -> usize {
+        table[pos / self.block_size] as usize * self.block_stride()
+            + (layer * self.block_size + pos % self.block_size) * self.kv_dim
+    }
+}
+
+/// One sequence's share of a batched forward step: `tokens` at positions `start..`, its keys and
+/// values read and written through `table` (which must cover every position up to the last).
+#[derive(Clone, Copy, Debug)]
+pub struct SeqChunk<'a> {
+    pub tokens: &'a [u32],
+    pub start: usize,
+    pub table: &'a [u32],
+}
+
+/// A single sequence's attention history (for `generate` and tests): a private paged store whose
+/// blocks are used in order.
 pub struct KvCache {
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
+    kv: PagedKv,
+    table: Vec<u32>,
     len: usize,
 }
+
+/// Block size of [`KvCache`] (and the engine's default).
+pub const DEFAULT_BLOCK_SIZE: usize = 16;
 
 impl KvCache {
     pub fn new(cfg: &ModelConfig) -> KvCache {
         KvCache {
-            k: vec![Vec::new(); cfg.num_hidden_layers],
-            v: vec![Vec::new(); cfg.num_hidden_layers],
+            kv: PagedKv::new(cfg, DEFAULT_BLOCK_SIZE, 0),
+            table: vec![],
             len: 0,
         }
     }
@@ -252,23 +326,67 @@ impl Llama {
         cache: &mut KvCache,
         all_logits: bool,
     ) -> Result<Vec<f32>, RuntimeError> {
+        let end = cache.len + tokens.len();
+        let need = end.div_ceil(cache.kv.block_size());
+        if end <= self.cfg.max_position_embeddings && need > cache.table.len() {
+            cache.kv.grow(need);
+            cache.table = (0..need as u32).collect();
+        }
+        let seq = SeqChunk {
+            tokens,
+            start: cache.len,
+            table: &cache.table,
+        };
+        let logits = self.run(&[seq], &mut cache.kv, all_logits)?;
+        cache.len = end;
+        Ok(logits)
+    }
+
+    /// One step for a batch of sequences (continuous batching): every sequence's tokens go
+    /// through each weight matrix together, attention reads each sequence's own blocks. Returns
+    /// the logits of each sequence's last token, `[seqs.len(), vocab]`. Each sequence's result is
+    /// bit-identical to running it alone (see the kernels' batch invariance).
+    pub fn forward_batch(
+        &self,
+        seqs: &[SeqChunk<'_>],
+        kv: &mut PagedKv,
+    ) -> Result<Vec<f32>, RuntimeError> {
+        self.run(seqs, kv, false)
+    }
+
+    fn run(
+        &self,
+        seqs: &[SeqChunk<'_>],
+        kv: &mut PagedKv,
+        all_rows: bool,
+    ) -> Result<Vec<f32>, RuntimeError> {
         let cfg = &self.cfg;
-        let n = tokens.len();
-        if n == 0 {
-            return Err(RuntimeError::Request("no tokens to process".into()));
+        let bad = |m: String| Err(RuntimeError::Request(m));
+        if seqs.is_empty() || seqs.iter().any(|s| s.tokens.is_empty()) {
+            return bad("no tokens to process".into());
         }
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-            return Err(RuntimeError::Request(format!(
-                "token id {bad} is outside the vocabulary of {}",
-                cfg.vocab_size
-            )));
-        }
-        if cache.len + n > cfg.max_position_embeddings {
-            return Err(RuntimeError::Request(format!(
-                "{} positions exceed the model's context of {}",
-                cache.len + n,
-                cfg.max_position_embeddings
-            )));
+        for sq in seqs {
+            if let Some(&t) = sq.tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+                return bad(format!(
+                    "token id {t} is outside the vocabulary of {}",
+                    cfg.vocab_size
+                ));
+            }
+            let end = sq.start + sq.tokens.len();
+            if end > cfg.max_position_embeddings {
+                return bad(format!(
+                    "{end} positions exceed the model's context of {}",
+                    cfg.max_position_embeddings
+                ));
+            }
+            if sq.table.len() * kv.block_size() < end
+                || sq.table.iter().any(|&b| b as usize >= kv.blocks())
+            {
+                return bad(format!(
+                    "block table of {} blocks cannot hold positions up to {end}",
+                    sq.table.len()
+                ));
+            }
         }
         let pool = ThreadPool::global();
         let (h, ffn, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim());
@@ -279,19 +397,33 @@ impl Llama {
             head_dim: hd,
         };
         let w = &self.weights;
+        // Row r of the step: (sequence, position).
+        let rows: Vec<(usize, usize)> = seqs
+            .iter()
+            .enumerate()
+            .flat_map(|(i, sq)| (0..sq.tokens.len()).map(move |j| (i, sq.start + j)))
+            .collect();
+        let n = rows.len();
+        let prows: Vec<ops::PagedRow<'_>> = rows
+            .iter()
+            .map(|&(i, pos)| ops::PagedRow {
+                pos,
+                table: seqs[i].table,
+            })
+            .collect();
 
         let mut x = vec![0f32; n * h];
         let embed = matrix(w, &self.embed);
-        for (t, &id) in tokens.iter().enumerate() {
+        for (t, &id) in seqs.iter().flat_map(|sq| sq.tokens.iter()).enumerate() {
             embed.row_f32(id as usize, &mut x[t * h..(t + 1) * h]);
         }
-        // RoPE angles for the block's positions, shared by all layers.
+        // RoPE angles for each row's position, shared by all layers.
         let half = hd / 2;
         let mut cos = vec![0f32; n * half];
         let mut sin = vec![0f32; n * half];
-        for t in 0..n {
+        for (t, &(_, pos)) in rows.iter().enumerate() {
             ops::rope_angles(
-                cache.len + t,
+                pos,
                 &self.inv_freq,
                 &mut cos[t * half..(t + 1) * half],
                 &mut sin[t * half..(t + 1) * half],
@@ -302,7 +434,6 @@ impl Llama {
         let mut att = vec![0f32; n * qd];
         let mut o = vec![0f32; n * h];
         let (mut g, mut u) = (vec![0f32; n * ffn], vec![0f32; n * ffn]);
-        let len = cache.len + n;
         for (li, l) in self.layers.iter().enumerate() {
             ops::rmsnorm(&x, &l.attn_norm, cfg.rms_norm_eps as f32, &mut xn);
             matmul(
@@ -325,23 +456,24 @@ impl Llama {
                         .for_each(|r| ops::add_inplace(r, b));
                 }
             }
-            for t in 0..n {
+            for (t, &(i, pos)) in rows.iter().enumerate() {
                 let (c, s) = (
                     &cos[t * half..(t + 1) * half],
                     &sin[t * half..(t + 1) * half],
                 );
                 ops::rope(&mut q[t * qd..(t + 1) * qd], hd, c, s);
                 ops::rope(&mut k[t * kvd..(t + 1) * kvd], hd, c, s);
+                let at = kv.slot(li, seqs[i].table, pos);
+                kv.k[at..at + kvd].copy_from_slice(&k[t * kvd..(t + 1) * kvd]);
+                kv.v[at..at + kvd].copy_from_slice(&v[t * kvd..(t + 1) * kvd]);
             }
-            cache.k[li].extend_from_slice(&k);
-            cache.v[li].extend_from_slice(&v);
-            ops::attention(
+            ops::paged_attention(
                 pool,
                 &q,
-                &cache.k[li],
-                &cache.v[li],
-                n,
-                len,
+                &kv.k,
+                &kv.v,
+                &prows,
+                kv.store(li),
                 shape,
                 &mut att,
             );
@@ -359,16 +491,29 @@ impl Llama {
             matmul(pool, &g, n, &mut [(matrix(w, &l.down), &mut o)]);
             ops::add_inplace(&mut x, &o);
         }
-        cache.len = len;
-        let rows = if all_logits { n } else { 1 };
-        let last = &x[(n - rows) * h..];
-        let mut normed = vec![0f32; rows * h];
-        ops::rmsnorm(last, &self.norm, cfg.rms_norm_eps as f32, &mut normed);
-        let mut logits = vec![0f32; rows * cfg.vocab_size];
+        // Logits for every row, or for each sequence's last row.
+        let picked: Vec<usize> = if all_rows {
+            (0..n).collect()
+        } else {
+            let mut end = 0;
+            seqs.iter()
+                .map(|sq| {
+                    end += sq.tokens.len();
+                    end - 1
+                })
+                .collect()
+        };
+        let mut last = vec![0f32; picked.len() * h];
+        for (j, &r) in picked.iter().enumerate() {
+            last[j * h..(j + 1) * h].copy_from_slice(&x[r * h..(r + 1) * h]);
+        }
+        let mut normed = vec![0f32; picked.len() * h];
+        ops::rmsnorm(&last, &self.norm, cfg.rms_norm_eps as f32, &mut normed);
+        let mut logits = vec![0f32; picked.len() * cfg.vocab_size];
         matmul(
             pool,
             &normed,
-            rows,
+            picked.len(),
             &mut [(matrix(w, &self.lm_head), &mut logits)],
         );
         Ok(logits)
