@@ -1,0 +1,489 @@
+//! The serving engine: one thread owns the model, the paged KV store, the block manager and the
+//! scheduler. Callers talk to it only through [`Engine::submit`] (a request in, a stream of
+//! [`Event`]s out); dropping the stream cancels the request and frees its blocks at the next step.
+//!
+//! Every step the scheduler builds one batch under a token budget (`max_batch_tokens`):
+//! 1. running sequences that are decoding, one token each — decodes go first so a long prompt
+//!    never stalls them;
+//! 2. prompt chunks (chunked prefill) of running sequences, then of waiting ones, admitted in
+//!    arrival order while `max_running` and the budget allow; a new sequence first takes the
+//!    longest cached prefix of full blocks (prefix caching) and skips computing it.
+//!
+//! When blocks run out, the newest running sequence is preempted: its blocks are released and it
+//! goes back to the head of the queue to be recomputed later (its sampler state is kept, and the
+//! kernels are batch-invariant, so it produces the same tokens it would have). The whole batch
+//! is one [`Llama::forward_batch`] call: every weight matrix is read once per step.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use crate::generate::FinishReason;
+use crate::kv::{BlockId, BlockManager};
+use crate::model::{PagedKv, SeqChunk, DEFAULT_BLOCK_SIZE};
+use crate::sampling::{Sampler, SamplingParams};
+use crate::Llama;
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub block_size: usize,
+    /// KV blocks in the store (see [`EngineConfig::with_kv_bytes`]).
+    pub num_blocks: usize,
+    pub max_batch_tokens: usize,
+    pub max_running: usize,
+}
+
+impl EngineConfig {
+    /// A configuration whose KV store takes about `bytes` of memory.
+    pub fn with_kv_bytes(model: &Llama, bytes: usize) -> EngineConfig {
+        let per = PagedKv::bytes_per_block(&model.cfg, DEFAULT_BLOCK_SIZE);
+        EngineConfig {
+            block_size: DEFAULT_BLOCK_SIZE,
+            num_blocks: (bytes / per).max(1),
+            max_batch_tokens: 512,
+            max_running: 64,
+        }
+    }
+}
+
+/// One generation request: prompt token ids and limits.
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Ids that end the sequence (EOS); ignored with `ignore_eos`.
+    pub stop_ids: Vec<u32>,
+    pub ignore_eos: bool,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    Token(u32),
+    Finished {
+        reason: FinishReason,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+        cached_tokens: usize,
+    },
+    Error(String),
+}
+
+/// Counters the engine publishes after every step.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineStats {
+    pub running: usize,
+    pub waiting: usize,
+    pub blocks_total: usize,
+    pub blocks_used: usize,
+    pub prefix_queries: u64,
+    pub prefix_hits: u64,
+    pub cached_tokens: u64,
+    pub preemptions: u64,
+    pub steps: u64,
+}
+
+enum Command {
+    Submit(Box<Request>, Sender<Event>, Arc<AtomicBool>),
+    Stop,
+}
+
+/// The events of one request. Dropping it cancels the request: the engine notices at its next
+/// step and frees the request's KV blocks.
+pub struct EventStream {
+    rx: Receiver<Event>,
+    cancelled: Arc<AtomicBool>,
+}
+
+impl EventStream {
+    /// The next event, or `None` once the engine is gone.
+    pub fn recv(&self) -> Option<Event> {
+        self.rx.recv().ok()
+    }
+    /// Waits for the request to finish: its tokens and the final event.
+    pub fn collect(self) -> (Vec<u32>, Event) {
+        let mut ids = Vec::new();
+        while let Some(e) = self.recv() {
+            match e {
+                Event::Token(t) => ids.push(t),
+                other => return (ids, other),
+            }
+        }
+        (ids, Event::Error("the engine stopped".into()))
+    }
+}
+
+impl Drop for EventStream {
+    fn drop(&mut self) {
+        self.cancelled.store(true, Ordering::Relaxed);
+    }
+}
+
+pub struct Engine {
+    tx: Sender<Command>,
+    stats: Arc<Mutex<EngineStats>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Engine {
+    pub fn start(model: Arc<Llama>, cfg: EngineConfig) -> Engine {
+        let (tx, rx) = mpsc::channel();
+        let stats = Arc::new(Mutex::new(EngineStats::default()));
+        let st = stats.clone();
+        let thread = std::thread::Builder::new()
+            .name("thaw-engine".into())
+            .spawn(move || Scheduler::new(model, cfg, st).run(rx))
+            .expect("spawning the engine thread");
+        Engine {
+            tx,
+            stats,
+            thread: Some(thread),
+        }
+    }
+
+    /// Queues `req`; its events arrive on the returned stream. Drop the stream to cancel.
+    pub fn submit(&self, req: Request) -> EventStream {
+        let (etx, erx) = mpsc::channel();
+        let cancelled = Arc::new(AtomicBool::new(false));
+        if self
+            .tx
+            .send(Command::Submit(
+                Box::new(req),
+                etx.clone(),
+                cancelled.clone(),
+            ))
+            .is_err()
+        {
+            let _ = etx.send(Event::Error("the engine has stopped".into()));
+        }
+        EventStream { rx: erx, cancelled }
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+impl Drop for Engine {
+    /// Finishes the requests in flight, then stops the engine thread.
+    fn drop(&mut self) {
+        let _ = self.tx.send(Command::Stop);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+struct Seq {
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    /// Tokens whose keys and values are in the store.
+    done: usize,
+    table: Vec<BlockId>,
+    /// Full blocks registered in the prefix cache, and the chain hash of the last one.
+    registered: usize,
+    last_hash: u64,
+    cached: usize,
+    req: Box<Request>,
+    sampler: Sampler,
+    events: Sender<Event>,
+    cancelled: Arc<AtomicBool>,
+    arrival: u64,
+}
+
+impl Seq {
+    fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+    fn cancelled(&self) -> bool {
+        self.cancelled.load(Ordering::Relaxed)
+    }
+}
+
+struct Scheduler {
+    model: Arc<Llama>,
+    cfg: EngineConfig,
+    blocks: BlockManager,
+    kv: PagedKv,
+    waiting: VecDeque<Seq>,
+    running: Vec<Seq>,
+    stats: Arc<Mutex<EngineStats>>,
+    counters: EngineStats,
+    next_arrival: u64,
+}
+
+impl Scheduler {
+    fn new(model: Arc<Llama>, cfg: EngineConfig, stats: Arc<Mutex<EngineStats>>) -> Scheduler {
+        let kv = PagedKv::new(&model.cfg, cfg.block_size, cfg.num_blocks);
+        Scheduler {
+            blocks: BlockManager::new(cfg.num_blocks, cfg.block_size),
+            kv,
+            model,
+            cfg,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            stats,
+            counters: EngineStats::default(),
+            next_arrival: 0,
+        }
+    }
+
+    fn idle(&self) -> bool {
+        self.running.is_empty() && self.waiting.is_empty()
+    }
+
+    fn run(mut self, rx: Receiver<Command>) {
+        loop {
+            let cmd = if self.idle() {
+                match rx.recv() {
+                    Ok(c) => Some(c),
+                    Err(_) => return,
+                }
+            } else {
+                match rx.try_recv() {
+                    Ok(c) => Some(c),
+                    Err(TryRecvError::Empty) => None,
+                    Err(TryRecvError::Disconnected) => Some(Command::Stop),
+                }
+            };
+            match cmd {
+                Some(Command::Submit(req, events, cancelled)) => self.admit(req, events, cancelled),
+                Some(Command::Stop) => {
+                    while !self.idle() {
+                        self.step();
+                    }
+                    return;
+                }
+                None => self.step(),
+            }
+        }
+    }
+
+    fn admit(&mut self, req: Box<Request>, events: Sender<Event>, cancelled: Arc<AtomicBool>) {
+        let ctx = self.model.cfg.max_position_embeddings;
+        let err = if req.prompt.is_empty() {
+            Some("the prompt is empty".to_string())
+        } else if req.prompt.len() + req.max_tokens > ctx {
+            Some(format!(
+                "prompt ({}) + max_tokens ({}) exceed the context of {ctx}",
+                req.prompt.len(),
+                req.max_tokens
+            ))
+        } else if self.blocks.blocks_for(req.prompt.len() + req.max_tokens) > self.blocks.total() {
+            Some(format!(
+                "prompt + max_tokens need more KV blocks than the cache has ({})",
+                self.blocks.total()
+            ))
+        } else if let Some(&t) = req
+            .prompt
+            .iter()
+            .find(|&&t| t as usize >= self.model.cfg.vocab_size)
+        {
+            Some(format!("token id {t} is outside the vocabulary"))
+        } else {
+            req.sampling.validate().err()
+        };
+        if let Some(e) = err {
+            let _ = events.send(Event::Error(e));
+            return;
+        }
+        self.next_arrival += 1;
+        self.waiting.push_back(Seq {
+            tokens: req.prompt.clone(),
+            prompt_len: req.prompt.len(),
+            done: 0,
+            table: vec![],
+            registered: 0,
+            last_hash: 0,
+            cached: 0,
+            sampler: Sampler::new(req.sampling.clone()),
+            req,
+            events,
+            cancelled,
+            arrival: self.next_arrival,
+        });
+    }
+
+    /// Gives back a sequence's blocks and rewinds it to be recomputed from scratch.
+    fn evict(&mut self, s: &mut Seq) {
+        self.blocks.release(&s.table);
+        s.table.clear();
+        s.done = 0;
+        s.registered = 0;
+        s.last_hash = 0;
+    }
+
+    fn step(&mut self) {
+        // Cancelled requests leave first, freeing their blocks.
+        for mut s in std::mem::take(&mut self.running) {
+            if s.cancelled() {
+                self.evict(&mut s);
+            } else {
+                self.running.push(s);
+            }
+        }
+        self.waiting.retain(|s| !s.cancelled());
+
+        let mut budget = self.cfg.max_batch_tokens;
+        let mut plan: Vec<(Seq, usize)> = Vec::new();
+        // 1. Running sequences, oldest first; the newest are preempted when blocks run out.
+        let mut queue: VecDeque<Seq> = std::mem::take(&mut self.running).into();
+        queue.make_contiguous().sort_by_key(|s| s.arrival);
+        let mut keep = Vec::new();
+        while let Some(mut s) = queue.pop_front() {
+            let n = (s.tokens.len() - s.done).min(budget);
+            if n == 0 {
+                keep.push(s);
+                continue;
+            }
+            loop {
+                let need = self
+                    .blocks
+                    .blocks_for(s.done + n)
+                    .saturating_sub(s.table.len());
+                if let Some(b) = self.blocks.allocate(need) {
+                    s.table.extend(b);
+                    budget -= n;
+                    plan.push((s, n));
+                    break;
+                }
+                if let Some(mut v) = queue.pop_back() {
+                    self.evict(&mut v);
+                    self.counters.preemptions += 1;
+                    self.waiting.push_front(v);
+                    continue;
+                }
+                self.evict(&mut s);
+                self.counters.preemptions += 1;
+                self.waiting.push_front(s);
+                break;
+            }
+        }
+        self.running = keep;
+        // 2. Waiting sequences in arrival order, while slots, budget and blocks allow.
+        while budget > 0 && self.running.len() + plan.len() < self.cfg.max_running {
+            let Some(mut s) = self.waiting.pop_front() else {
+                break;
+            };
+            let pm = self.blocks.match_prefix(&s.tokens, s.tokens.len() - 1);
+            s.done = pm.tokens;
+            s.registered = pm.blocks.len();
+            s.last_hash = pm.last_hash;
+            s.cached = s.cached.max(pm.tokens);
+            s.table = pm.blocks;
+            let n = (s.tokens.len() - s.done).min(budget);
+            let need = self
+                .blocks
+                .blocks_for(s.done + n)
+                .saturating_sub(s.table.len());
+            match self.blocks.allocate(need) {
+                Some(b) => {
+                    self.counters.cached_tokens += pm.tokens as u64;
+                    s.table.extend(b);
+                    budget -= n;
+                    plan.push((s, n));
+                }
+                None => {
+                    self.evict(&mut s);
+                    self.waiting.push_front(s);
+                    break;
+                }
+            }
+        }
+        if plan.is_empty() {
+            if self.running.is_empty() {
+                // Nothing runs and the head of the queue cannot get blocks: it never will.
+                if let Some(s) = self.waiting.pop_front() {
+                    let _ = s
+                        .events
+                        .send(Event::Error("the KV cache cannot hold this request".into()));
+                }
+            }
+            self.publish();
+            return;
+        }
+        let chunks: Vec<SeqChunk<'_>> = plan
+            .iter()
+            .map(|(s, n)| SeqChunk {
+                tokens: &s.tokens[s.done..s.done + n],
+                start: s.done,
+                table: &s.table,
+            })
+            .collect();
+        let result = self.model.forward_batch(&chunks, &mut self.kv);
+        drop(chunks);
+        self.counters.steps += 1;
+        let vocab = self.model.cfg.vocab_size;
+        let logits = match result {
+            Ok(l) => l,
+            Err(e) => {
+                for (mut s, _) in plan {
+                    let _ = s.events.send(Event::Error(e.to_string()));
+                    self.evict(&mut s);
+                }
+                self.publish();
+                return;
+            }
+        };
+        for (j, (mut s, n)) in plan.into_iter().enumerate() {
+            s.done += n;
+            self.register_full_blocks(&mut s);
+            if s.done < s.tokens.len() {
+                self.running.push(s); // more prompt to go
+                continue;
+            }
+            let id = s.sampler.sample(&logits[j * vocab..(j + 1) * vocab]);
+            let stop = !s.req.ignore_eos && s.req.stop_ids.contains(&id);
+            let mut alive = true;
+            if !stop {
+                s.tokens.push(id);
+                alive = s.events.send(Event::Token(id)).is_ok();
+            }
+            let reason = if stop {
+                Some(FinishReason::Stop)
+            } else if s.generated() >= s.req.max_tokens {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            if let Some(reason) = reason {
+                let _ = s.events.send(Event::Finished {
+                    reason,
+                    prompt_tokens: s.prompt_len,
+                    completion_tokens: s.generated(),
+                    cached_tokens: s.cached,
+                });
+                self.evict(&mut s);
+            } else if !alive {
+                self.evict(&mut s); // the client went away
+            } else {
+                self.running.push(s);
+            }
+        }
+        self.publish();
+    }
+
+    fn register_full_blocks(&mut self, s: &mut Seq) {
+        let bs = self.cfg.block_size;
+        while (s.registered + 1) * bs <= s.done {
+            let i = s.registered;
+            s.last_hash =
+                self.blocks
+                    .register_full(s.table[i], s.last_hash, &s.tokens[i * bs..(i + 1) * bs]);
+            s.registered += 1;
+        }
+    }
+
+    fn publish(&mut self) {
+        let mut c = self.counters.clone();
+        c.running = self.running.len();
+        c.waiting = self.waiting.len();
+        c.blocks_total = self.blocks.total();
+        c.blocks_used = self.blocks.in_use();
+        c.prefix_queries = self.blocks.prefix_queries;
+        c.prefix_hits = self.blocks.prefix_hits;
+        *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = c;
+    }
+}

@@ -1,0 +1,221 @@
+//! The engine on the default model: continuous batching, cancellation, chunked prefill,
+//! preemption and prefix caching all give exactly the tokens a request gets alone.
+
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use thaw_runtime::convert::OutDtype;
+use thaw_runtime::engine::{Engine, EngineConfig, Event, Request};
+use thaw_runtime::fetch::default_model;
+use thaw_runtime::{generate, FinishReason, GenerateParams, Llama, SamplingParams, TextTokenizer};
+
+fn setup() -> &'static (Arc<Llama>, TextTokenizer) {
+    static S: OnceLock<(Arc<Llama>, TextTokenizer)> = OnceLock::new();
+    S.get_or_init(|| {
+        let dir = default_model(OutDtype::Bf16).unwrap();
+        (
+            Arc::new(Llama::load(&dir).unwrap()),
+            TextTokenizer::load(&dir).unwrap(),
+        )
+    })
+}
+
+fn eos(m: &Llama, tok: &TextTokenizer) -> Vec<u32> {
+    let mut e = m.cfg.eos_ids();
+    e.extend(tok.eos_id);
+    e
+}
+
+fn request(prompt: Vec<u32>, max_tokens: usize, stop_ids: Vec<u32>) -> Request {
+    Request {
+        prompt,
+        max_tokens,
+        sampling: SamplingParams::default(),
+        stop_ids,
+        ignore_eos: false,
+    }
+}
+
+/// The reference: the single-sequence generation loop, no engine.
+fn alone(prompt: &[u32], max_tokens: usize) -> Vec<u32> {
+    let (m, tok) = setup();
+    let p = GenerateParams {
+        max_tokens,
+        sampling: SamplingParams::default(),
+        stop: vec![],
+        ignore_eos: false,
+    };
+    generate(m, tok, prompt, &p, |_| {}).unwrap().output_ids
+}
+
+fn prompts(n: usize) -> Vec<Vec<u32>> {
+    let (_, tok) = setup();
+    let subjects = [
+        "the sea",
+        "a lighthouse",
+        "mountains",
+        "a small village",
+        "the moon",
+        "rivers",
+        "autumn",
+        "a library",
+    ];
+    (0..n)
+        .map(|i| {
+            tok.encode(
+                &format!(
+                    "Write {} sentences about {}:",
+                    1 + i % 3,
+                    subjects[i % subjects.len()]
+                ),
+                false,
+            )
+            .unwrap()
+        })
+        .collect()
+}
+
+fn cfg(m: &Llama, blocks: usize, batch_tokens: usize) -> EngineConfig {
+    EngineConfig {
+        num_blocks: blocks,
+        max_batch_tokens: batch_tokens,
+        ..EngineConfig::with_kv_bytes(m, 1 << 26)
+    }
+}
+
+fn wait_idle(e: &Engine) {
+    let t = Instant::now();
+    while e.stats().blocks_used != 0 || e.stats().running != 0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "engine did not go idle: {:?}",
+            e.stats()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn sixteen_concurrent_requests_match_alone() {
+    let (m, tok) = setup();
+    let ps = prompts(16);
+    let want: Vec<Vec<u32>> = ps.iter().map(|p| alone(p, 12)).collect();
+    let e = Engine::start(m.clone(), cfg(m, 256, 512));
+    let streams: Vec<_> = ps
+        .iter()
+        .map(|p| e.submit(request(p.clone(), 12, eos(m, tok))))
+        .collect();
+    for (i, s) in streams.into_iter().enumerate() {
+        let (ids, fin) = s.collect();
+        assert_eq!(ids, want[i], "request {i}");
+        assert!(
+            matches!(fin, Event::Finished { completion_tokens, .. } if completion_tokens == ids.len()),
+            "{fin:?}"
+        );
+    }
+    wait_idle(&e);
+    assert!(
+        e.stats().steps < 16 * 13,
+        "requests were not batched: {} steps",
+        e.stats().steps
+    );
+}
+
+#[test]
+fn cancelled_request_frees_its_blocks() {
+    let (m, _) = setup();
+    let e = Engine::start(m.clone(), cfg(m, 64, 512));
+    let mut r = request(prompts(1).remove(0), 400, vec![]);
+    r.ignore_eos = true;
+    let s = e.submit(r);
+    for _ in 0..3 {
+        assert!(matches!(s.recv(), Some(Event::Token(_))));
+    }
+    assert!(e.stats().blocks_used > 0);
+    drop(s);
+    wait_idle(&e);
+    assert_eq!(e.stats().blocks_used, 0);
+}
+
+#[test]
+fn long_prompt_is_prefilled_in_chunks() {
+    let (m, tok) = setup();
+    let text = "The lighthouse keeper climbed the spiral stairs each evening, counting the steps. "
+        .repeat(6);
+    let p = tok.encode(&text, false).unwrap();
+    assert!(p.len() > 64);
+    let want = alone(&p, 8);
+    let e = Engine::start(m.clone(), cfg(m, 64, 24));
+    let (ids, _) = e.submit(request(p.clone(), 8, eos(m, tok))).collect();
+    assert_eq!(ids, want);
+    assert!(
+        e.stats().steps as usize >= p.len() / 24,
+        "prefill was not chunked"
+    );
+}
+
+#[test]
+fn too_small_kv_cache_preempts_and_still_matches() {
+    let (m, tok) = setup();
+    let ps = prompts(6);
+    let want: Vec<Vec<u32>> = ps.iter().map(|p| alone(p, 24)).collect();
+    // 10 blocks × 16 tokens: not enough for six ~40-token sequences at once.
+    let e = Engine::start(m.clone(), cfg(m, 10, 512));
+    let streams: Vec<_> = ps
+        .iter()
+        .map(|p| e.submit(request(p.clone(), 24, eos(m, tok))))
+        .collect();
+    for (i, s) in streams.into_iter().enumerate() {
+        assert_eq!(s.collect().0, want[i], "request {i}");
+    }
+    wait_idle(&e);
+    assert!(e.stats().preemptions > 0, "{:?}", e.stats());
+}
+
+#[test]
+fn repeated_prefix_is_served_from_cache() {
+    let (m, tok) = setup();
+    let prefix = "You are a careful assistant. Answer briefly and precisely. ".repeat(8);
+    let a = tok
+        .encode(
+            &format!("{prefix}Question: what is the capital of France?"),
+            false,
+        )
+        .unwrap();
+    let b = tok
+        .encode(&format!("{prefix}Question: what colour is the sky?"), false)
+        .unwrap();
+    let want_b = alone(&b, 10);
+    let e = Engine::start(m.clone(), cfg(m, 128, 512));
+    e.submit(request(a, 4, eos(m, tok))).collect();
+    let (ids, fin) = e.submit(request(b.clone(), 10, eos(m, tok))).collect();
+    assert_eq!(ids, want_b);
+    let Event::Finished {
+        cached_tokens,
+        reason,
+        ..
+    } = fin
+    else {
+        panic!("{fin:?}")
+    };
+    assert!(
+        cached_tokens >= 64,
+        "only {cached_tokens} tokens came from the cache"
+    );
+    assert!(matches!(reason, FinishReason::Length | FinishReason::Stop));
+    assert!(e.stats().prefix_hits >= 1);
+}
+
+#[test]
+fn bad_requests_get_errors_not_panics() {
+    let (m, _) = setup();
+    let e = Engine::start(m.clone(), cfg(m, 8, 512));
+    for r in [
+        request(vec![], 4, vec![]),
+        request(vec![999_999], 4, vec![]),
+        request(vec![1; 10], 1_000, vec![]),
+    ] {
+        let (ids, fin) = e.submit(r).collect();
+        assert!(ids.is_empty() && matches!(fin, Event::Error(_)), "{fin:?}");
+    }
+}
