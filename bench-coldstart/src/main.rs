@@ -10,6 +10,7 @@ mod decode;
 mod kernels;
 mod load;
 mod membw;
+mod serve;
 mod synth;
 
 #[derive(Parser)]
@@ -30,6 +31,8 @@ enum Cmd {
     Kernels(kernels::KernelArgs),
     /// Every load strategy, page cache warm and cold, against the floor for the same bytes.
     Load(load::LoadArgs),
+    /// Serving throughput and latency at several concurrencies (in-process for now).
+    Serve(serve::ServeArgs),
     /// Write a random-weight checkpoint with a real model's shapes and shard layout.
     Synth(synth::SynthArgs),
 }
@@ -39,6 +42,7 @@ fn main() {
         Cmd::Decode(a) => decode::run(a),
         Cmd::Kernels(a) => kernels::run(a),
         Cmd::Synth(a) => synth::run(a),
+        Cmd::Serve(a) => serve::run(a),
         Cmd::Load(a) => load::run(a),
     };
     if let Err(e) = r {
