@@ -345,7 +345,7 @@ pub fn attend_one(
             scale: f32,
             out: &mut [f32],
         ) {
-            attend_one_with(dot, accum_values, q, k, v, visible, layout, scale, out)
+            attend_one_generic(q, k, v, visible, layout, scale, out)
         }
         match Isa::detect() {
             // SAFETY: Isa::detect reports only features this CPU has.
@@ -358,6 +358,7 @@ pub fn attend_one(
     attend_one_generic(q, k, v, visible, layout, scale, out)
 }
 
+#[inline(always)]
 fn attend_one_generic(
     q: &[f32],
     k: &[f32],
