@@ -331,7 +331,13 @@ fn unreadable_model_directory_is_a_clear_error() {
         .output()
         .map(|o| stdout(&o).trim() == "0")
         .unwrap_or(false);
-    let bin = thaw_tests::bin("thaw");
+    // The unprivileged user must be able to reach the binary wherever the checkout lives
+    // (CI may clone under a directory only root can enter): run a copy from a world-readable place.
+    let bin_dir = tempfile::tempdir().unwrap();
+    let bin = bin_dir.path().join("thaw");
+    std::fs::copy(thaw_tests::bin("thaw"), &bin).unwrap();
+    std::fs::set_permissions(bin_dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
     if is_root
         && std::process::Command::new("setpriv")
             .arg("--version")
