@@ -744,6 +744,72 @@ mod tests {
         }
     }
 
+    /// Rows of two sequences in one call (prefill rows of one, a decode row of the other) each
+    /// get the bits they get alone, through their own block tables.
+    #[test]
+    fn paged_rows_match_single_rows() {
+        let pool = ThreadPool::new(2);
+        let mut r = rng(33);
+        let (nh, nkv, hd, bs) = (6usize, 2usize, 64usize, 16usize);
+        let kv_dim = nkv * hd;
+        let blocks = 8usize;
+        let store = PagedStore {
+            block_size: bs,
+            block_stride: bs * kv_dim,
+            layer_off: 0,
+        };
+        let k: Vec<f32> = (0..blocks * bs * kv_dim).map(|_| r() * 2.0).collect();
+        let v: Vec<f32> = (0..blocks * bs * kv_dim).map(|_| r()).collect();
+        let (ta, tb) = (vec![3u32, 0, 5, 1, 7], vec![2u32, 6, 4]);
+        let mut rows: Vec<PagedRow> = (50..69).map(|pos| PagedRow { pos, table: &ta }).collect();
+        rows.push(PagedRow {
+            pos: 40,
+            table: &tb,
+        });
+        let q: Vec<f32> = (0..rows.len() * nh * hd).map(|_| r() * 2.0).collect();
+        let mut out = vec![0f32; q.len()];
+        paged_attention(
+            &pool,
+            &q,
+            &k,
+            &v,
+            &rows,
+            store,
+            AttnShape {
+                n_heads: nh,
+                n_kv_heads: nkv,
+                head_dim: hd,
+            },
+            &mut out,
+        );
+        for (t, row) in rows.iter().enumerate() {
+            for h in 0..nh {
+                let layout = KvLayout::Paged {
+                    table: row.table,
+                    block_size: bs,
+                    block_stride: store.block_stride,
+                    stride: kv_dim,
+                    off: (h / (nh / nkv)) * hd,
+                };
+                let mut one = vec![0f32; hd];
+                attend_one(
+                    &q[(t * nh + h) * hd..(t * nh + h + 1) * hd],
+                    &k,
+                    &v,
+                    row.pos + 1,
+                    layout,
+                    0.125,
+                    &mut one,
+                );
+                assert_eq!(
+                    &out[(t * nh + h) * hd..(t * nh + h + 1) * hd],
+                    &one[..],
+                    "row {t} head {h}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn exp_approx_is_accurate() {
         let mut x = -90.0f32;
