@@ -28,6 +28,10 @@ pub struct ServeArgs {
     output_len: usize,
     #[arg(long, default_value_t = 512 << 20)]
     kv_cache_bytes: usize,
+    /// Also measure prefix caching: TTFT of a request whose first N tokens were just served for
+    /// another request, against the TTFT of the first (uncached) one.
+    #[arg(long, default_value_t = 0)]
+    shared_prefix: usize,
     #[arg(long)]
     json: bool,
 }
@@ -135,10 +139,54 @@ pub fn run(a: ServeArgs) -> Result<()> {
         }
         results.push(r);
     }
+    let mut prefix = serde_json::Value::Null;
+    if a.shared_prefix > 0 {
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut ids = |n: usize| -> Vec<u32> {
+            (0..n)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    100 + (state % 40_000) as u32
+                })
+                .collect()
+        };
+        let shared = ids(a.shared_prefix);
+        let ttft = |suffix: Vec<u32>| -> f64 {
+            let mut p = shared.clone();
+            p.extend(suffix);
+            let t = Instant::now();
+            let s = engine.submit(Request {
+                prompt: p,
+                max_tokens: 1,
+                sampling: SamplingParams::default(),
+                stop_ids: vec![],
+                ignore_eos: true,
+            });
+            let _ = s.recv();
+            let dt = t.elapsed().as_secs_f64();
+            s.collect();
+            dt
+        };
+        let (s1, s2) = (ids(16), ids(16));
+        let cold = ttft(s1);
+        let warm = ttft(s2);
+        prefix = json!({"prefix_tokens": a.shared_prefix, "uncached_ttft_ms": cold * 1e3, "cached_ttft_ms": warm * 1e3, "ratio": warm / cold});
+        if !a.json {
+            println!(
+                "shared prefix {}: TTFT uncached {:.1} ms, cached {:.1} ms = {:.3} of uncached",
+                a.shared_prefix,
+                cold * 1e3,
+                warm * 1e3,
+                warm / cold
+            );
+        }
+    }
     if a.json {
         println!(
             "{}",
-            json!({"model": dir.display().to_string(), "results": results})
+            json!({"model": dir.display().to_string(), "results": results, "prefix_cache": prefix})
         );
     }
     Ok(())
