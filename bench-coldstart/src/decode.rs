@@ -159,7 +159,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     let out = json!({
         "peers": peers,
         "model": dir.display().to_string(),
-        "weight_dtype": model.weight_dtype.name(),
+        "weight_dtype": model.weight_dtype().name(),
         "isa": Isa::detect().name(),
         "threads": pool.threads(),
         "weight_bytes_per_token": per_token,
@@ -177,7 +177,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
         println!(
             "model            {} ({}, {} threads, {})",
             out["model"].as_str().unwrap_or(""),
-            model.weight_dtype,
+            model.weight_dtype(),
             pool.threads(),
             Isa::detect().name()
         );

@@ -36,6 +36,18 @@ pub struct ServeArgs {
     json: bool,
 }
 
+/// `n` ordinary-vocabulary token ids from a xorshift stream (prompts that share nothing).
+fn random_ids(state: &mut u64, n: usize) -> Vec<u32> {
+    (0..n)
+        .map(|_| {
+            *state ^= *state << 13;
+            *state ^= *state >> 7;
+            *state ^= *state << 17;
+            100 + (*state % 40_000) as u32
+        })
+        .collect()
+}
+
 fn pct(v: &mut [f64], p: f64) -> f64 {
     v.sort_by(f64::total_cmp);
     v[((v.len() - 1) as f64 * p).round() as usize]
@@ -66,16 +78,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         // Distinct random prompts (no prefix sharing) of exactly input_len ids.
         let mut state = 0x2545_F491_4F6C_DD1Du64 ^ c as u64;
         let prompts: Vec<Vec<u32>> = (0..c)
-            .map(|_| {
-                (0..a.input_len)
-                    .map(|_| {
-                        state ^= state << 13;
-                        state ^= state >> 7;
-                        state ^= state << 17;
-                        100 + (state % 40_000) as u32
-                    })
-                    .collect()
-            })
+            .map(|_| random_ids(&mut state, a.input_len))
             .collect();
         let t0 = Instant::now();
         let handles: Vec<_> = prompts
@@ -142,17 +145,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let mut prefix = serde_json::Value::Null;
     if a.shared_prefix > 0 {
         let mut state = 0x9E37_79B9_7F4A_7C15u64;
-        let mut ids = |n: usize| -> Vec<u32> {
-            (0..n)
-                .map(|_| {
-                    state ^= state << 13;
-                    state ^= state >> 7;
-                    state ^= state << 17;
-                    100 + (state % 40_000) as u32
-                })
-                .collect()
-        };
-        let shared = ids(a.shared_prefix);
+        let shared = random_ids(&mut state, a.shared_prefix);
         let ttft = |suffix: Vec<u32>| -> f64 {
             let mut p = shared.clone();
             p.extend(suffix);
@@ -169,7 +162,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
             s.collect();
             dt
         };
-        let (s1, s2) = (ids(16), ids(16));
+        let (s1, s2) = (random_ids(&mut state, 16), random_ids(&mut state, 16));
         let cold = ttft(s1);
         let warm = ttft(s2);
         prefix = json!({"prefix_tokens": a.shared_prefix, "uncached_ttft_ms": cold * 1e3, "cached_ttft_ms": warm * 1e3, "ratio": warm / cold});

@@ -137,59 +137,12 @@ pub fn rope(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) {
     }
 }
 
-/// Shapes for [`attention`].
+/// Shapes for [`paged_attention`].
 #[derive(Clone, Copy, Debug)]
 pub struct AttnShape {
     pub n_heads: usize,
     pub n_kv_heads: usize,
     pub head_dim: usize,
-}
-
-/// Causal grouped-query attention of `n` new query tokens against a contiguous KV history.
-///
-/// `q`: `[n, n_heads * head_dim]`; `k`, `v`: `[len, n_kv_heads * head_dim]` holding every position
-/// up to and including the new tokens, so query `i` sits at position `len - n + i` and sees keys
-/// `0..=len - n + i`. Query head `h` reads KV head `h / (n_heads / n_kv_heads)`. The computation is
-/// flash-style (one pass, running max and sum) and per (token, head) independent of `n`.
-pub fn attention(
-    pool: &ThreadPool,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    n: usize,
-    len: usize,
-    s: AttnShape,
-    out: &mut [f32],
-) {
-    let (hd, nh, nkv) = (s.head_dim, s.n_heads, s.n_kv_heads);
-    assert!(nh % nkv == 0 && n <= len);
-    assert_eq!(q.len(), n * nh * hd);
-    assert_eq!(out.len(), n * nh * hd);
-    assert!(k.len() >= len * nkv * hd && v.len() >= len * nkv * hd);
-    let group = nh / nkv;
-    let scale = 1.0 / (hd as f32).sqrt();
-    let out_ptr = SyncPtr(out.as_mut_ptr());
-    let job = |task: usize| {
-        let (t, h) = (task / nh, task % nh);
-        let kvh = h / group;
-        let qr = &q[(t * nh + h) * hd..(t * nh + h + 1) * hd];
-        let visible = len - n + t + 1;
-        // SAFETY: each task writes the disjoint row (t, h) of `out`, whose bounds were asserted.
-        let o = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add((t * nh + h) * hd), hd) };
-        attend_one(
-            qr,
-            k,
-            v,
-            visible,
-            KvLayout::Contiguous {
-                stride: nkv * hd,
-                off: kvh * hd,
-            },
-            scale,
-            o,
-        );
-    };
-    pool.run(n * nh, &job);
 }
 
 /// One query row of [`paged_attention`]: its position and its sequence's block table.
@@ -209,8 +162,8 @@ pub struct PagedStore {
 }
 
 /// Causal GQA attention for query rows of any number of sequences, each reading its keys and
-/// values through its block table (positions `0..=pos`). Same per-row computation as
-/// [`attention`], so batching and paging change no bits.
+/// values through its block table (positions `0..=pos`). Each (row, head) is one [`attend_one`],
+/// so batching and paging change no bits.
 #[allow(clippy::too_many_arguments)]
 pub fn paged_attention(
     pool: &ThreadPool,
@@ -853,6 +806,31 @@ mod tests {
                 assert!(close(y[h * hd + i], want, 1e-6));
             }
         }
+    }
+
+    /// `n` query rows at the end of a contiguous `[len, kv_dim]` history: one block holding it all.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        pool: &ThreadPool,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        n: usize,
+        len: usize,
+        s: AttnShape,
+        out: &mut [f32],
+    ) {
+        let kv_dim = s.n_kv_heads * s.head_dim;
+        let table = [0u32];
+        let rows: Vec<PagedRow> = (len - n..len)
+            .map(|pos| PagedRow { pos, table: &table })
+            .collect();
+        let store = PagedStore {
+            block_size: len,
+            block_stride: len * kv_dim,
+            layer_off: 0,
+        };
+        paged_attention(pool, q, k, v, &rows, store, s, out);
     }
 
     #[test]

@@ -9,7 +9,6 @@ pub struct HostWeights {
     backing: Vec<Backing>,
     data_offset: Vec<u64>,
     pub stats: LoadStats,
-    pub bytes: u64,
 }
 
 /// A tensor's bytes in host memory, with its dtype and shape.
@@ -54,7 +53,6 @@ impl HostWeights {
     ) -> Result<HostWeights, LoadError> {
         let loaded = read::load(&checkpoint, opts, progress)?;
         Ok(HostWeights {
-            bytes: loaded.stats.bytes,
             checkpoint,
             backing: loaded.backing,
             data_offset: loaded.data_offset,

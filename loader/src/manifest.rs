@@ -54,7 +54,11 @@ impl Manifest {
         let plan = LoadPlan::new(ck, chunk_size);
         let mut files = BTreeMap::new();
         for (si, s) in plan.shards.iter().enumerate() {
-            let data = std::fs::read(&s.path).map_err(|e| LoadError::io(&s.path, e))?;
+            // Mapped, not read into the heap: shards are gigabytes.
+            let file = std::fs::File::open(&s.path).map_err(|e| LoadError::io(&s.path, e))?;
+            // SAFETY: a private read-only mapping, only read while `file` is open here.
+            let data =
+                unsafe { memmap2::Mmap::map(&file) }.map_err(|e| LoadError::io(&s.path, e))?;
             let mut chunks: Vec<&Chunk> = plan.chunks.iter().filter(|c| c.shard == si).collect();
             chunks.sort_by_key(|c| c.file_off);
             let hashes = chunks

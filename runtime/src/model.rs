@@ -7,7 +7,6 @@
 //! weight matrix is read once per block.
 
 use std::path::Path;
-use std::time::{Duration, Instant};
 
 use thaw_kernels::ops::{self, AttnShape};
 use thaw_kernels::{matmul, Matrix, ThreadPool, Weights};
@@ -42,8 +41,6 @@ pub struct Llama {
     norm: Vec<f32>,
     lm_head: TensorEntry,
     inv_freq: Vec<f64>,
-    pub load_time: Duration,
-    pub weight_dtype: Dtype,
 }
 
 /// Keys and values of every layer in fixed-size blocks, laid out `[block][layer][slot][kv_dim]`:
@@ -191,7 +188,6 @@ impl Llama {
         opts: &LoadOptions,
         progress: &mut dyn FnMut(Progress),
     ) -> Result<Llama, RuntimeError> {
-        let t0 = Instant::now();
         let cfg = ModelConfig::load(dir)?;
         let ck = Checkpoint::open(dir)?;
         let (h, ffn, vocab) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
@@ -239,7 +235,6 @@ impl Llama {
             });
         }
         let norm_entry = vec_entry("model.norm.weight", h)?;
-        let weight_dtype = embed.info.dtype;
         let weights = HostWeights::load_with(ck, opts, progress)?;
         // Kernels take typed slices: every matrix must sit at an address aligned for its dtype.
         let check = |e: &TensorEntry| -> Result<(), RuntimeError> {
@@ -294,15 +289,13 @@ impl Llama {
             norm,
             lm_head,
             inv_freq,
-            load_time: t0.elapsed(),
-            weight_dtype,
         })
     }
 
     /// Bytes of weights read per decoded token: every matrix once, except that the embedding
     /// table contributes one row unless it doubles as the (fully read) LM head.
     pub fn weight_bytes(&self) -> u64 {
-        let mut b = self.weights.bytes;
+        let mut b = self.weights.stats.bytes;
         if !self.cfg.tie_word_embeddings {
             b -= self.embed.info.len() - self.embed.info.len() / self.cfg.vocab_size as u64;
         }
@@ -310,7 +303,12 @@ impl Llama {
     }
 
     pub fn checkpoint_bytes(&self) -> u64 {
-        self.weights.bytes
+        self.weights.stats.bytes
+    }
+
+    /// The dtype the weights are stored (and streamed) in.
+    pub fn weight_dtype(&self) -> Dtype {
+        self.embed.info.dtype
     }
 
     /// How the weights were loaded (strategy, fallback, phase times).
