@@ -84,7 +84,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         let handles: Vec<_> = prompts
             .into_iter()
             .map(|p| {
-                let s = engine.submit(Request {
+                let mut s = engine.submit(Request {
                     prompt: p,
                     max_tokens: a.output_len,
                     sampling: SamplingParams::default(),
@@ -150,7 +150,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
             let mut p = shared.clone();
             p.extend(suffix);
             let t = Instant::now();
-            let s = engine.submit(Request {
+            let mut s = engine.submit(Request {
                 prompt: p,
                 max_tokens: 1,
                 sampling: SamplingParams::default(),

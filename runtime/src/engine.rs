@@ -19,6 +19,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::Instant;
+
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::generate::FinishReason;
 use crate::kv::{BlockId, BlockManager};
@@ -67,6 +70,8 @@ pub enum Event {
         prompt_tokens: usize,
         completion_tokens: usize,
         cached_tokens: usize,
+        /// Seconds from submission until the request was first scheduled (vLLM's queue time).
+        queue_s: f64,
     },
     Error(String),
 }
@@ -86,24 +91,39 @@ pub struct EngineStats {
 }
 
 enum Command {
-    Submit(Box<Request>, Sender<Event>, Arc<AtomicBool>),
+    Submit(
+        Box<Request>,
+        UnboundedSender<Event>,
+        Arc<AtomicBool>,
+        Instant,
+    ),
     Stop,
 }
 
 /// The events of one request. Dropping it cancels the request: the engine notices at its next
 /// step and frees the request's KV blocks.
+///
+/// The channel is tokio's unbounded one: the engine thread sends without blocking or awaiting,
+/// and the receiver works from plain threads ([`EventStream::recv`]) and from async tasks
+/// ([`EventStream::next`]) alike, so the HTTP server needs no bridge thread per request.
 pub struct EventStream {
-    rx: Receiver<Event>,
+    rx: UnboundedReceiver<Event>,
     cancelled: Arc<AtomicBool>,
 }
 
 impl EventStream {
-    /// The next event, or `None` once the engine is gone.
-    pub fn recv(&self) -> Option<Event> {
-        self.rx.recv().ok()
+    /// The next event, or `None` once the engine is gone. Blocks the thread: not for async code
+    /// (tokio panics there); use [`EventStream::next`].
+    pub fn recv(&mut self) -> Option<Event> {
+        self.rx.blocking_recv()
+    }
+
+    /// The next event, awaited.
+    pub async fn next(&mut self) -> Option<Event> {
+        self.rx.recv().await
     }
     /// Waits for the request to finish: its tokens and the final event.
-    pub fn collect(self) -> (Vec<u32>, Event) {
+    pub fn collect(mut self) -> (Vec<u32>, Event) {
         let mut ids = Vec::new();
         while let Some(e) = self.recv() {
             match e {
@@ -122,6 +142,7 @@ impl Drop for EventStream {
 }
 
 pub struct Engine {
+    cfg: EngineConfig,
     tx: Sender<Command>,
     stats: Arc<Mutex<EngineStats>>,
     thread: Option<JoinHandle<()>>,
@@ -132,11 +153,13 @@ impl Engine {
         let (tx, rx) = mpsc::channel();
         let stats = Arc::new(Mutex::new(EngineStats::default()));
         let st = stats.clone();
+        let config = cfg.clone();
         let thread = std::thread::Builder::new()
             .name("thaw-engine".into())
             .spawn(move || Scheduler::new(model, cfg, st).run(rx))
             .expect("spawning the engine thread");
         Engine {
+            cfg: config,
             tx,
             stats,
             thread: Some(thread),
@@ -145,7 +168,7 @@ impl Engine {
 
     /// Queues `req`; its events arrive on the returned stream. Drop the stream to cancel.
     pub fn submit(&self, req: Request) -> EventStream {
-        let (etx, erx) = mpsc::channel();
+        let (etx, erx) = unbounded_channel();
         let cancelled = Arc::new(AtomicBool::new(false));
         if self
             .tx
@@ -153,12 +176,27 @@ impl Engine {
                 Box::new(req),
                 etx.clone(),
                 cancelled.clone(),
+                Instant::now(),
             ))
             .is_err()
         {
             let _ = etx.send(Event::Error("the engine has stopped".into()));
         }
         EventStream { rx: erx, cancelled }
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// Most tokens (prompt + output) one request may hold: the whole KV store.
+    pub fn max_tokens_per_request(&self) -> usize {
+        self.cfg.num_blocks * self.cfg.block_size
+    }
+
+    /// False once the engine thread has ended (it only ends on drop, or by a bug).
+    pub fn is_alive(&self) -> bool {
+        self.thread.as_ref().is_some_and(|t| !t.is_finished())
     }
 
     pub fn stats(&self) -> EngineStats {
@@ -188,9 +226,12 @@ struct Seq {
     cached: usize,
     req: Box<Request>,
     sampler: Sampler,
-    events: Sender<Event>,
+    events: UnboundedSender<Event>,
     cancelled: Arc<AtomicBool>,
     arrival: u64,
+    submitted: Instant,
+    /// Seconds from submission to the first step that scheduled it.
+    queue_s: Option<f64>,
 }
 
 impl Seq {
@@ -249,7 +290,9 @@ impl Scheduler {
                 }
             };
             match cmd {
-                Some(Command::Submit(req, events, cancelled)) => self.admit(req, events, cancelled),
+                Some(Command::Submit(req, events, cancelled, at)) => {
+                    self.admit(req, events, cancelled, at)
+                }
                 Some(Command::Stop) => {
                     while !self.idle() {
                         self.step();
@@ -261,17 +304,27 @@ impl Scheduler {
         }
     }
 
-    fn admit(&mut self, req: Box<Request>, events: Sender<Event>, cancelled: Arc<AtomicBool>) {
+    fn admit(
+        &mut self,
+        req: Box<Request>,
+        events: UnboundedSender<Event>,
+        cancelled: Arc<AtomicBool>,
+        submitted: Instant,
+    ) {
         let ctx = self.model.cfg.max_position_embeddings;
         let err = if req.prompt.is_empty() {
             Some("the prompt is empty".to_string())
-        } else if req.prompt.len() + req.max_tokens > ctx {
+        } else if req.prompt.len().saturating_add(req.max_tokens) > ctx {
             Some(format!(
                 "prompt ({}) + max_tokens ({}) exceed the context of {ctx}",
                 req.prompt.len(),
                 req.max_tokens
             ))
-        } else if self.blocks.blocks_for(req.prompt.len() + req.max_tokens) > self.blocks.total() {
+        } else if self
+            .blocks
+            .blocks_for(req.prompt.len().saturating_add(req.max_tokens))
+            > self.blocks.total()
+        {
             Some(format!(
                 "prompt + max_tokens need more KV blocks than the cache has ({})",
                 self.blocks.total()
@@ -303,6 +356,8 @@ impl Scheduler {
             events,
             cancelled,
             arrival: self.next_arrival,
+            submitted,
+            queue_s: None,
         });
     }
 
@@ -404,6 +459,10 @@ impl Scheduler {
             self.publish();
             return;
         }
+        for (s, _) in plan.iter_mut() {
+            s.queue_s
+                .get_or_insert_with(|| s.submitted.elapsed().as_secs_f64());
+        }
         let chunks: Vec<SeqChunk<'_>> = plan
             .iter()
             .map(|(s, n)| SeqChunk {
@@ -435,6 +494,7 @@ impl Scheduler {
                 continue;
             }
             let id = s.sampler.sample(&logits[j * vocab..(j + 1) * vocab]);
+            s.sampler.observe(id);
             let stop = !s.req.ignore_eos && s.req.stop_ids.contains(&id);
             let mut alive = true;
             if !stop {
@@ -454,6 +514,7 @@ impl Scheduler {
                     prompt_tokens: s.prompt_len,
                     completion_tokens: s.generated(),
                     cached_tokens: s.cached,
+                    queue_s: s.queue_s.unwrap_or(0.0),
                 });
                 self.evict(&mut s);
             } else if !alive {

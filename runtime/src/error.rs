@@ -24,6 +24,8 @@ pub enum RuntimeError {
     Fetch(String),
     #[error("invalid request: {0}")]
     Request(String),
+    #[error("serve: {0}")]
+    Serve(String),
 }
 
 impl RuntimeError {

@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use crate::sampling::{Sampler, SamplingParams};
-use crate::tokenizer::StreamDecoder;
+use crate::textstream::{Delta, TextStream};
 use crate::{KvCache, Llama, RuntimeError, TextTokenizer};
 
 #[derive(Debug, Clone)]
@@ -41,25 +41,6 @@ pub struct Generation {
     pub timings: Timings,
 }
 
-/// Length of the longest suffix of `text` that is a proper prefix of some stop string: that much
-/// text must be held back from the stream until we know it is not the start of a stop.
-fn held_back(text: &str, stops: &[String]) -> usize {
-    let mut keep = 0;
-    for s in stops {
-        for l in (1..s.len()).rev() {
-            if l <= text.len()
-                && text.is_char_boundary(text.len() - l)
-                && s.is_char_boundary(l)
-                && text.ends_with(&s[..l])
-            {
-                keep = keep.max(l);
-                break;
-            }
-        }
-    }
-    keep
-}
-
 pub fn generate(
     model: &Llama,
     tok: &TextTokenizer,
@@ -82,12 +63,10 @@ pub fn generate(
     eos.extend(tok.eos_id);
     let mut sampler = Sampler::new(params.sampling.clone());
     let mut cache = KvCache::new(&model.cfg);
-    let mut decoder = StreamDecoder::default();
+    let mut stream = TextStream::new(params.stop.clone());
     let t0 = Instant::now();
     let mut logits = model.forward(prompt, &mut cache, false)?;
     let mut out = Vec::new();
-    let mut text = String::new();
-    let mut emitted = 0;
     let mut t_first = None;
     let mut finish = FinishReason::Length;
     let max_tokens = params.max_tokens.min(ctx - prompt.len());
@@ -99,30 +78,31 @@ pub fn generate(
             break;
         }
         out.push(id);
-        text.push_str(&decoder.push(tok, id)?);
-        if let Some(pos) = params
-            .stop
-            .iter()
-            .filter_map(|s| text.find(s.as_str()))
-            .min()
-        {
-            text.truncate(pos);
-            finish = FinishReason::Stop;
-            break;
-        }
-        let safe = text.len() - held_back(&text, &params.stop);
-        if safe > emitted {
-            on_text(&text[emitted..safe]);
-            emitted = safe;
+        sampler.observe(id);
+        match stream.push(tok, id)? {
+            Delta::Text(d) => {
+                if !d.is_empty() {
+                    on_text(&d);
+                }
+            }
+            Delta::Stop(d) => {
+                if !d.is_empty() {
+                    on_text(&d);
+                }
+                finish = FinishReason::Stop;
+                break;
+            }
         }
         if out.len() == max_tokens {
             break;
         }
         logits = model.forward(&[id], &mut cache, false)?;
     }
-    if text.len() > emitted {
-        on_text(&text[emitted..]);
+    let tail = stream.finish();
+    if !tail.is_empty() {
+        on_text(&tail);
     }
+    let text = stream.text().to_string();
     let end = Instant::now();
     let first = t_first.unwrap_or(end);
     let ttft = first - t0;
@@ -146,18 +126,4 @@ pub fn generate(
             total_ms: (end - t0).as_secs_f64() * 1e3,
         },
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::held_back;
-
-    #[test]
-    fn holds_back_possible_stop_prefixes() {
-        let stops = vec!["</end>".to_string(), "\n\n".to_string()];
-        assert_eq!(held_back("hello </e", &stops), 3);
-        assert_eq!(held_back("hello\n", &stops), 1);
-        assert_eq!(held_back("hello", &stops), 0);
-        assert_eq!(held_back("é", &["éa".to_string()]), 2);
-    }
 }

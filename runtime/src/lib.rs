@@ -23,6 +23,8 @@ pub mod generate;
 pub mod kv;
 pub mod model;
 pub mod sampling;
+pub mod server;
+pub mod textstream;
 pub mod tokenizer;
 
 pub use chat::{render_chat, ChatMessage};

@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 use thaw_loader::{Checkpoint, LoadOptions, Manifest, Strategy, Verify};
 use thaw_runtime::convert::{convert, ConvertOptions, OutDtype};
 use thaw_runtime::fetch::{default_model, resolve_model};
+use thaw_runtime::server::ServeOptions;
 use thaw_runtime::{
     generate, render_chat, ChatMessage, GenerateParams, Llama, SamplingParams, TextTokenizer,
 };
@@ -55,6 +56,8 @@ enum Cmd {
     },
     /// Generate a continuation on the CPU.
     Generate(GenerateArgs),
+    /// Serve the model over HTTP (OpenAI-compatible API, /invoke, /health, /ready, /metrics).
+    Serve(ServeArgs),
     /// Write the integrity manifest (per-chunk xxh3) for a checkpoint directory.
     Manifest {
         dir: PathBuf,
@@ -147,6 +150,62 @@ struct GenerateArgs {
     json: bool,
 }
 
+#[derive(clap::Args)]
+struct ServeArgs {
+    #[arg(long, default_value = "default")]
+    model: String,
+    #[command(flatten)]
+    load: LoadArgs,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// 0 picks a free port (the log line says which).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Model name in /v1/models and responses (default: the model directory's name).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Require 'Authorization: Bearer KEY' on /v1/* and /invoke.
+    #[arg(long, env = "THAW_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Requests admitted beyond --max-running before new ones get 429.
+    #[arg(long, default_value_t = 256)]
+    max_waiting: usize,
+    /// Sequences the engine runs at once.
+    #[arg(long, default_value_t = 64)]
+    max_running: usize,
+    /// Tokens per engine step (decodes first, then prompt chunks).
+    #[arg(long, default_value_t = 512)]
+    max_batch_tokens: usize,
+    /// Memory for the paged KV cache.
+    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+    kv_cache_bytes: u64,
+    /// On SIGTERM/SIGINT, wait this long for in-flight requests (e.g. 30s, 500ms).
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    drain_timeout: std::time::Duration,
+    #[arg(long, default_value = "4MiB", value_parser = parse_size)]
+    max_body_bytes: u64,
+    /// max_tokens for requests that give none (default: up to the context).
+    #[arg(long)]
+    default_max_tokens: Option<usize>,
+}
+
+fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("bad duration '{s}'"))?;
+    let secs = match unit {
+        "ms" => n / 1e3,
+        "" | "s" => n,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        u => return Err(format!("bad duration unit '{u}' (ms, s, m, h)")),
+    };
+    Ok(std::time::Duration::from_secs_f64(secs))
+}
+
 fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let split = t
@@ -205,6 +264,25 @@ fn run(cli: Cli) -> Result<()> {
             println!("{}", serde_json::json!({ "ids": ids }));
         }
         Cmd::Generate(a) => run_generate(a)?,
+        Cmd::Serve(a) => {
+            let dir = resolve_model(&a.model)?;
+            thaw_runtime::server::serve(ServeOptions {
+                model_dir: dir,
+                model_arg: a.model.clone(),
+                served_name: a.served_model_name.clone(),
+                host: a.host.clone(),
+                port: a.port,
+                api_key: a.api_key.clone().filter(|k| !k.is_empty()),
+                max_waiting: a.max_waiting,
+                max_running: a.max_running,
+                max_batch_tokens: a.max_batch_tokens,
+                kv_cache_bytes: a.kv_cache_bytes as usize,
+                drain_timeout: a.drain_timeout,
+                max_body_bytes: a.max_body_bytes as usize,
+                default_max_tokens: a.default_max_tokens,
+                load: a.load.options(),
+            })?;
+        }
         Cmd::Manifest { dir, chunk_size } => {
             let ck = Checkpoint::open(&dir)?;
             let m = Manifest::build(&ck, chunk_size)?;
@@ -279,6 +357,7 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
             top_k: a.top_k,
             top_p: a.top_p,
             seed: a.seed,
+            ..Default::default()
         },
         stop: a.stop.clone(),
         ignore_eos: a.ignore_eos,

@@ -58,16 +58,18 @@ pub struct PagedKv {
 
 impl PagedKv {
     pub fn new(cfg: &ModelConfig, block_size: usize, blocks: usize) -> PagedKv {
-        let mut kv = PagedKv {
+        let n = blocks * cfg.num_hidden_layers * block_size * cfg.kv_dim();
+        // `vec![0.0; n]` allocates zeroed memory (calloc: fresh pages the kernel zero-fills on
+        // first touch), so a large KV budget costs nothing at start; `resize` would write
+        // every byte up front (~0.5 s per GiB of page faults here).
+        PagedKv {
             block_size,
             layers: cfg.num_hidden_layers,
             kv_dim: cfg.kv_dim(),
-            blocks: 0,
-            k: vec![],
-            v: vec![],
-        };
-        kv.grow(blocks);
-        kv
+            blocks,
+            k: vec![0.0; n],
+            v: vec![0.0; n],
+        }
     }
     /// Bytes one block takes (keys and values, all layers, f32).
     pub fn bytes_per_block(cfg: &ModelConfig, block_size: usize) -> usize {

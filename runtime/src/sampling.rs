@@ -1,5 +1,9 @@
 //! Choosing the next token from logits: greedy, or temperature → top-k → top-p with a seeded RNG.
 //!
+//! Presence and frequency penalties follow OpenAI's definition: each logit is lowered by
+//! `frequency_penalty × count + presence_penalty × (count > 0)`, counting the tokens this
+//! request has generated so far (not the prompt).
+//!
 //! The RNG is SplitMix64: tiny, fast, and fully determined by the seed, so a seeded request gives
 //! the same tokens on every run and every machine.
 
@@ -12,6 +16,10 @@ pub struct SamplingParams {
     /// 1 means no nucleus cut.
     pub top_p: f32,
     pub seed: Option<u64>,
+    /// In [-2, 2]; 0 means none.
+    pub presence_penalty: f32,
+    /// In [-2, 2]; 0 means none.
+    pub frequency_penalty: f32,
 }
 
 impl Default for SamplingParams {
@@ -21,6 +29,8 @@ impl Default for SamplingParams {
             top_k: 0,
             top_p: 1.0,
             seed: None,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
         }
     }
 }
@@ -36,6 +46,14 @@ impl SamplingParams {
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
         }
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(format!("{name} must be in [-2, 2], got {v}"));
+            }
+        }
         Ok(())
     }
 }
@@ -43,6 +61,9 @@ impl SamplingParams {
 pub struct Sampler {
     params: SamplingParams,
     state: u64,
+    /// How often each generated token occurred (only kept when a penalty is set).
+    counts: std::collections::HashMap<u32, u32>,
+    scratch: Vec<f32>,
 }
 
 impl Sampler {
@@ -57,7 +78,38 @@ impl Sampler {
         Sampler {
             params,
             state: seed,
+            counts: Default::default(),
+            scratch: Vec::new(),
         }
+    }
+
+    fn penalized(&self) -> bool {
+        self.params.presence_penalty != 0.0 || self.params.frequency_penalty != 0.0
+    }
+
+    /// Records a generated token (for the penalties).
+    pub fn observe(&mut self, id: u32) {
+        if self.penalized() {
+            *self.counts.entry(id).or_insert(0) += 1;
+        }
+    }
+
+    /// Picks the next token from `logits`, after applying the penalties.
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        if !self.penalized() || self.counts.is_empty() {
+            return self.pick(logits);
+        }
+        let mut l = std::mem::take(&mut self.scratch);
+        l.clear();
+        l.extend_from_slice(logits);
+        for (&id, &n) in &self.counts {
+            if let Some(v) = l.get_mut(id as usize) {
+                *v -= self.params.frequency_penalty * n as f32 + self.params.presence_penalty;
+            }
+        }
+        let id = self.pick(&l);
+        self.scratch = l;
+        id
     }
 
     fn next_f64(&mut self) -> f64 {
@@ -69,7 +121,7 @@ impl Sampler {
         (z >> 11) as f64 / (1u64 << 53) as f64
     }
 
-    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+    fn pick(&mut self, logits: &[f32]) -> u32 {
         if self.params.temperature <= 0.0 {
             return argmax(logits);
         }
@@ -143,6 +195,7 @@ mod tests {
             top_k: 0,
             top_p: 1.0,
             seed: Some(42),
+            ..Default::default()
         };
         let a: Vec<u32> = {
             let mut s = Sampler::new(p.clone());
@@ -157,6 +210,36 @@ mod tests {
     }
 
     #[test]
+    fn penalties_lower_repeated_tokens() {
+        let logits = [3.0, 2.5, 0.0];
+        let mut s = Sampler::new(SamplingParams {
+            frequency_penalty: 0.4,
+            ..Default::default()
+        });
+        // 3.0 → 2.6 → 2.2: token 1 (2.5) wins once token 0 has been generated twice.
+        let mut out = vec![];
+        for _ in 0..3 {
+            let t = s.sample(&logits);
+            s.observe(t);
+            out.push(t);
+        }
+        assert_eq!(out, vec![0, 0, 1]);
+        let mut s = Sampler::new(SamplingParams {
+            presence_penalty: 0.6,
+            ..Default::default()
+        });
+        let t = s.sample(&logits);
+        s.observe(t);
+        assert_eq!((t, s.sample(&logits)), (0, 1));
+        assert!(SamplingParams {
+            presence_penalty: 2.5,
+            ..Default::default()
+        }
+        .validate()
+        .is_err());
+    }
+
+    #[test]
     fn top_k_and_top_p_cut() {
         let logits = [5.0, 4.9, 0.0, -3.0, 4.8];
         let mut s = Sampler::new(SamplingParams {
@@ -164,6 +247,7 @@ mod tests {
             top_k: 2,
             top_p: 1.0,
             seed: Some(1),
+            ..Default::default()
         });
         assert!((0..200).all(|_| {
             let t = s.sample(&logits);
@@ -174,6 +258,7 @@ mod tests {
             top_k: 0,
             top_p: 0.3,
             seed: Some(1),
+            ..Default::default()
         });
         assert!((0..200).all(|_| s.sample(&logits) == 0));
         assert!(SamplingParams {

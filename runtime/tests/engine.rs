@@ -127,7 +127,7 @@ fn cancelled_request_frees_its_blocks() {
     let e = Engine::start(m.clone(), cfg(m, 64, 512));
     let mut r = request(prompts(1).remove(0), 400, vec![]);
     r.ignore_eos = true;
-    let s = e.submit(r);
+    let mut s = e.submit(r);
     for _ in 0..3 {
         assert!(matches!(s.recv(), Some(Event::Token(_))));
     }
@@ -214,8 +214,12 @@ fn bad_requests_get_errors_not_panics() {
         request(vec![], 4, vec![]),
         request(vec![999_999], 4, vec![]),
         request(vec![1; 10], 1_000, vec![]),
+        request(vec![1; 10], usize::MAX, vec![]),
     ] {
         let (ids, fin) = e.submit(r).collect();
         assert!(ids.is_empty() && matches!(fin, Event::Error(_)), "{fin:?}");
     }
+    assert!(e.is_alive());
+    let (ids, _) = e.submit(request(vec![1; 4], 2, vec![])).collect();
+    assert_eq!(ids.len(), 2);
 }

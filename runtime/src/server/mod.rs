@@ -1,0 +1,265 @@
+//! `thaw serve`: the HTTP worker (tokio + axum on hyper).
+//!
+//! * **One narrow seam to the engine.** Handlers never see the scheduler: a request becomes a
+//!   [`run::Run`] (submit, then a stream of events), and SSE bodies are streams over it, so a
+//!   client that disconnects drops its run, which cancels the request and frees its KV blocks.
+//! * **Bind first, load after.** The port is listening before the weights are read; `/health`
+//!   answers at once, `/ready` turns 200 only after the load and a warmup request, and requests
+//!   that arrive meanwhile wait in the bounded admission queue (`cold_start: true` on /invoke).
+//! * **Bounded.** At most `max_running + max_waiting` requests are admitted; beyond that a 429
+//!   with Retry-After, so a burst costs memory in proportion to the bound, not the burst.
+//! * **Drain.** SIGTERM/SIGINT: new requests get 503, in-flight ones finish (up to
+//!   `--drain-timeout`), then the process exits 0 — what Kubernetes and Knative expect.
+//! * Errors are OpenAI-shaped ([`error::ApiError`]); metrics are defined in [`metrics`] only.
+
+pub mod api;
+pub mod error;
+pub mod metrics;
+pub mod routes;
+pub mod run;
+pub mod state;
+
+use std::future::IntoFuture;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post};
+use axum::Router;
+use thaw_loader::LoadOptions;
+
+use crate::engine::{Engine, EngineConfig, Request};
+use crate::sampling::SamplingParams;
+use crate::{Llama, RuntimeError, TextTokenizer};
+use metrics::METRICS;
+use state::{App, State, Worker};
+
+/// The body limit in force (for the 413 message).
+pub(crate) static MAX_BODY_BYTES: AtomicU64 = AtomicU64::new(0);
+
+static START: OnceLock<Instant> = OnceLock::new();
+
+/// One log line on stderr, stamped with seconds since the server started.
+pub(crate) fn log(args: std::fmt::Arguments) {
+    let t = START.get_or_init(Instant::now).elapsed().as_secs_f64();
+    eprintln!("thaw [{t:9.3}s] {args}");
+}
+
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    pub model_dir: PathBuf,
+    /// The `--model` argument as given (also accepted as the model name in requests).
+    pub model_arg: String,
+    /// Name in `/v1/models` and responses; default: the model directory's name.
+    pub served_name: Option<String>,
+    pub host: String,
+    pub port: u16,
+    pub api_key: Option<String>,
+    pub max_waiting: usize,
+    pub max_running: usize,
+    pub max_batch_tokens: usize,
+    pub kv_cache_bytes: usize,
+    pub drain_timeout: Duration,
+    pub max_body_bytes: usize,
+    /// max_tokens for requests that give none (None: up to the context).
+    pub default_max_tokens: Option<usize>,
+    pub load: LoadOptions,
+}
+
+fn load_worker(o: &ServeOptions) -> Result<Worker, RuntimeError> {
+    let t0 = Instant::now();
+    let model = Arc::new(Llama::load_with(&o.model_dir, &o.load)?);
+    if let Some(reason) = &model.load_stats().fallback {
+        log(format_args!(
+            "note: loaded with {} instead: {reason}",
+            model.load_stats().strategy
+        ));
+    }
+    let tok = TextTokenizer::load(&o.model_dir)?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let mut cfg = EngineConfig::with_kv_bytes(&model, o.kv_cache_bytes);
+    cfg.max_batch_tokens = o.max_batch_tokens.max(1);
+    cfg.max_running = o.max_running.max(1);
+    let engine = Engine::start(model.clone(), cfg);
+    let mut eos = model.cfg.eos_ids();
+    eos.extend(tok.eos_id);
+    // Warm up: one short request touches the KV store, the weights and the thread pool, so the
+    // first real request does not pay for first touches.
+    let t1 = Instant::now();
+    let warm = tok.encode("Hello", false)?;
+    let (_, end) = engine
+        .submit(Request {
+            prompt: warm,
+            max_tokens: 2,
+            sampling: SamplingParams::default(),
+            stop_ids: vec![],
+            ignore_eos: true,
+        })
+        .collect();
+    if let crate::engine::Event::Error(e) = end {
+        return Err(RuntimeError::Request(format!("warmup failed: {e}")));
+    }
+    let max_seq = model
+        .cfg
+        .max_position_embeddings
+        .min(engine.max_tokens_per_request());
+    let st = model.load_stats();
+    METRICS.load_seconds.set(load_s);
+    METRICS.load_bytes.set(st.bytes as i64);
+    log(format_args!(
+        "loaded {} ({:.0} MB, {}) in {:.0} ms, warmed up in {:.0} ms; {} KV blocks of {} tokens",
+        o.model_dir.display(),
+        st.bytes as f64 / 1e6,
+        st.strategy,
+        load_s * 1e3,
+        t1.elapsed().as_secs_f64() * 1e3,
+        engine.config().num_blocks,
+        engine.config().block_size,
+    ));
+    Ok(Worker {
+        model,
+        tok,
+        engine,
+        eos,
+        max_seq,
+        default_max_tokens: o.default_max_tokens,
+        load_s,
+    })
+}
+
+pub fn router(app: Arc<App>, max_body_bytes: usize) -> Router {
+    MAX_BODY_BYTES.store(max_body_bytes as u64, Ordering::Relaxed);
+    Router::new()
+        .route("/v1/chat/completions", post(routes::chat_completions))
+        .route("/v1/completions", post(routes::completions))
+        .route("/v1/models", get(routes::models))
+        .route("/invoke", post(routes::invoke))
+        .route("/health", get(routes::health))
+        .route("/ready", get(routes::ready))
+        .route("/metrics", get(routes::metrics))
+        .fallback(routes::not_found)
+        .layer(DefaultBodyLimit::max(max_body_bytes))
+        .with_state(app)
+}
+
+async fn termination() {
+    use tokio::signal::unix::{signal, SignalKind};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        }
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
+
+/// Runs the worker until SIGTERM/SIGINT and a drain; returns an error if the model fails to
+/// load or the port cannot be bound.
+pub fn serve(o: ServeOptions) -> Result<(), RuntimeError> {
+    START.get_or_init(Instant::now);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("thaw-http")
+        .enable_all()
+        .build()
+        .map_err(|e| RuntimeError::Serve(format!("starting the async runtime: {e}")))?;
+    let r = rt.block_on(serve_async(o));
+    rt.shutdown_timeout(Duration::from_secs(1));
+    r
+}
+
+async fn serve_async(o: ServeOptions) -> Result<(), RuntimeError> {
+    let listener = tokio::net::TcpListener::bind((o.host.as_str(), o.port))
+        .await
+        .map_err(|e| RuntimeError::Serve(format!("binding {}:{}: {e}", o.host, o.port)))?;
+    let addr: SocketAddr = listener
+        .local_addr()
+        .map_err(|e| RuntimeError::Serve(e.to_string()))?;
+    let served = o.served_name.clone().unwrap_or_else(|| {
+        o.model_dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| o.model_arg.clone())
+    });
+    let app = Arc::new(App::new(
+        served.clone(),
+        o.model_arg.clone(),
+        o.api_key.clone(),
+        o.max_running + o.max_waiting,
+    ));
+    log(format_args!(
+        "listening on http://{addr} (model '{served}')"
+    ));
+    app.set_state(State::Loading);
+    let opts = o.clone();
+    let mut load = tokio::task::spawn_blocking(move || load_worker(&opts));
+    let mut loaded = false;
+
+    let (drained_tx, drained_rx) = tokio::sync::oneshot::channel::<()>();
+    let drain_app = app.clone();
+    let drain_timeout = o.drain_timeout;
+    let shutdown = async move {
+        termination().await;
+        drain_app.set_state(State::Draining);
+        log(format_args!(
+            "draining: {} request(s) in flight, up to {:?}",
+            drain_app.inflight(),
+            drain_timeout
+        ));
+        if tokio::time::timeout(drain_timeout, drain_app.idle())
+            .await
+            .is_err()
+        {
+            log(format_args!(
+                "drain timeout: {} request(s) still in flight are cut off",
+                drain_app.inflight()
+            ));
+        }
+        let _ = drained_tx.send(());
+    };
+    let server = axum::serve(listener, router(app.clone(), o.max_body_bytes))
+        .with_graceful_shutdown(shutdown)
+        .into_future();
+    tokio::pin!(server);
+    // After the drain, connections still open get a moment to close, then we leave anyway.
+    let hard_stop = async move {
+        if drained_rx.await.is_ok() {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+        } else {
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::pin!(hard_stop);
+    loop {
+        tokio::select! {
+            r = &mut server => {
+                r.map_err(|e| RuntimeError::Serve(e.to_string()))?;
+                break;
+            }
+            _ = &mut hard_stop => break,
+            l = &mut load, if !loaded => {
+                loaded = true;
+                match l {
+                    Ok(Ok(w)) => app.set_ready(Arc::new(w)),
+                    Ok(Err(e)) => {
+                        app.set_state(State::Failed);
+                        return Err(e);
+                    }
+                    Err(e) => {
+                        app.set_state(State::Failed);
+                        return Err(RuntimeError::Serve(format!("the load task failed: {e}")));
+                    }
+                }
+            }
+        }
+    }
+    log(format_args!("drained; exiting"));
+    Ok(())
+}

@@ -1,0 +1,255 @@
+//! One request inside the engine, seen from the server: engine events in, visible text out, and
+//! every per-request metric recorded on the way (TTFT, inter-token latency, queue time, E2E,
+//! token counters, success by finish reason — `abort` when the client went away first).
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::error::ApiError;
+use super::metrics::METRICS;
+use super::state::{Admission, Worker};
+use crate::engine::{Event, EventStream, Request};
+use crate::generate::FinishReason;
+use crate::sampling::SamplingParams;
+use crate::textstream::{Delta, TextStream};
+
+/// A checked generation request.
+pub struct Spec {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+}
+
+impl Spec {
+    /// Checks `prompt` and the limit against the model's context and the KV store.
+    pub fn new(
+        w: &Worker,
+        prompt: Vec<u32>,
+        max_tokens: Option<u64>,
+        sampling: SamplingParams,
+        stop: Vec<String>,
+        ignore_eos: bool,
+    ) -> Result<Spec, ApiError> {
+        if prompt.is_empty() {
+            return Err(ApiError::bad_request("the prompt is empty").param("prompt"));
+        }
+        let vocab = w.model.cfg.vocab_size;
+        if let Some(t) = prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ApiError::bad_request(format!(
+                "token id {t} is outside the vocabulary ({vocab})"
+            ))
+            .param("prompt"));
+        }
+        let limit = w.max_seq;
+        if prompt.len() >= limit {
+            return Err(ApiError::context(format!(
+                "the prompt has {} tokens; this worker's limit for prompt + output is {limit}",
+                prompt.len()
+            )));
+        }
+        let max_tokens = match max_tokens {
+            Some(0) => {
+                return Err(
+                    ApiError::bad_request("max_tokens must be at least 1").param("max_tokens")
+                )
+            }
+            Some(m) if (prompt.len() as u64).saturating_add(m) > limit as u64 => {
+                return Err(ApiError::context(format!(
+                    "prompt ({} tokens) + max_tokens ({m}) exceed this worker's limit of {limit}",
+                    prompt.len()
+                )))
+            }
+            Some(m) => m as usize,
+            None => (limit - prompt.len()).min(w.default_max_tokens.unwrap_or(usize::MAX)),
+        };
+        Ok(Spec {
+            prompt,
+            max_tokens,
+            sampling,
+            stop,
+            ignore_eos,
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub cached_tokens: usize,
+}
+
+impl Usage {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        })
+    }
+}
+
+pub enum Out {
+    /// Visible text (never empty).
+    Text(String),
+    Done(FinishReason, Usage),
+    Error(String),
+}
+
+pub struct Run {
+    worker: Arc<Worker>,
+    events: Option<EventStream>,
+    text: TextStream,
+    prompt_tokens: usize,
+    pub arrival: Instant,
+    pub first: Option<Instant>,
+    last: Option<Instant>,
+    tokens: usize,
+    pub queue_s: Option<f64>,
+    pending: VecDeque<Out>,
+    /// No more engine events will be read.
+    ended: bool,
+    /// The outcome is in the metrics.
+    recorded: bool,
+    _slot: Admission,
+}
+
+impl Run {
+    pub fn start(worker: Arc<Worker>, spec: Spec, arrival: Instant, slot: Admission) -> Run {
+        let prompt_tokens = spec.prompt.len();
+        let events = worker.engine.submit(Request {
+            prompt: spec.prompt,
+            max_tokens: spec.max_tokens,
+            sampling: spec.sampling,
+            stop_ids: worker.eos.clone(),
+            ignore_eos: spec.ignore_eos,
+        });
+        Run {
+            worker,
+            events: Some(events),
+            text: TextStream::new(spec.stop),
+            prompt_tokens,
+            arrival,
+            first: None,
+            last: None,
+            tokens: 0,
+            queue_s: None,
+            pending: VecDeque::new(),
+            ended: false,
+            recorded: false,
+            _slot: slot,
+        }
+    }
+
+    fn finish(&mut self, reason: FinishReason, cached: usize) -> Out {
+        self.ended = true;
+        self.recorded = true;
+        self.events = None; // cancels the request if it was a stop string
+        let m = &*METRICS;
+        let end = self.last.unwrap_or_else(Instant::now);
+        m.e2e.observe((end - self.arrival).as_secs_f64());
+        if let Some(q) = self.queue_s {
+            m.queue.observe(q);
+        }
+        m.prompt_tokens.inc_by(self.prompt_tokens as u64);
+        let reason_label = match reason {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        };
+        m.success.with_label_values(&[reason_label]).inc();
+        Out::Done(
+            reason,
+            Usage {
+                prompt_tokens: self.prompt_tokens,
+                completion_tokens: self.tokens,
+                cached_tokens: cached,
+            },
+        )
+    }
+
+    /// The next piece of output; `None` after `Done` or `Error`.
+    pub async fn next(&mut self) -> Option<Out> {
+        loop {
+            if let Some(o) = self.pending.pop_front() {
+                return Some(o);
+            }
+            if self.ended {
+                return None;
+            }
+            let ev = match self.events.as_mut() {
+                Some(e) => e.next().await,
+                None => None,
+            };
+            match ev {
+                Some(Event::Token(id)) => {
+                    let now = Instant::now();
+                    match self.last {
+                        None => METRICS.ttft.observe((now - self.arrival).as_secs_f64()),
+                        Some(prev) => METRICS.itl.observe((now - prev).as_secs_f64()),
+                    }
+                    self.first.get_or_insert(now);
+                    self.last = Some(now);
+                    self.tokens += 1;
+                    METRICS.generation_tokens.inc();
+                    match self.text.push(&self.worker.tok, id) {
+                        Ok(Delta::Text(t)) => {
+                            if !t.is_empty() {
+                                self.pending.push_back(Out::Text(t));
+                            }
+                        }
+                        Ok(Delta::Stop(t)) => {
+                            if !t.is_empty() {
+                                self.pending.push_back(Out::Text(t));
+                            }
+                            let done = self.finish(FinishReason::Stop, 0);
+                            self.pending.push_back(done);
+                        }
+                        Err(e) => self.fail(e.to_string()),
+                    }
+                }
+                Some(Event::Finished {
+                    reason,
+                    cached_tokens,
+                    queue_s,
+                    ..
+                }) => {
+                    self.queue_s = Some(queue_s);
+                    let tail = self.text.finish();
+                    if !tail.is_empty() {
+                        self.pending.push_back(Out::Text(tail));
+                    }
+                    let done = self.finish(reason, cached_tokens);
+                    self.pending.push_back(done);
+                }
+                Some(Event::Error(e)) => self.fail(e),
+                None => self.fail("the engine stopped".into()),
+            }
+        }
+    }
+
+    fn fail(&mut self, e: String) {
+        self.ended = true;
+        self.recorded = true;
+        self.events = None;
+        METRICS.failure.with_label_values(&["engine_error"]).inc();
+        self.pending.push_back(Out::Error(e));
+    }
+
+    /// All visible text so far.
+    pub fn text(&self) -> &str {
+        self.text.text()
+    }
+}
+
+impl Drop for Run {
+    fn drop(&mut self) {
+        if !self.recorded {
+            // The client went away (or the handler gave up) before the end.
+            METRICS.success.with_label_values(&["abort"]).inc();
+        }
+    }
+}

@@ -1,0 +1,673 @@
+//! `thaw serve` over real HTTP on 127.0.0.1: the OpenAI API (also through the official Python
+//! client), /invoke, health and readiness, Prometheus metrics checked by promtool, every error
+//! status, overload, client disconnects, SIGTERM drain and a thousand malformed bodies.
+
+use std::io::Read;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use thaw_tests::{client, golden, model_dir, Server};
+
+fn post(s: &Server, path: &str, body: &Value) -> (u16, Value) {
+    let r = client().post(s.url(path)).json(body).send().expect("POST");
+    let status = r.status().as_u16();
+    let text = r.text().unwrap_or_default();
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    )
+}
+
+/// Reads an SSE response to the end: the `data:` payloads in order.
+fn sse_events(resp: reqwest::blocking::Response) -> Vec<String> {
+    let mut body = String::new();
+    let mut r = resp;
+    r.read_to_string(&mut body).expect("SSE body");
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: ").map(str::to_string))
+        .collect()
+}
+
+fn stream_text(events: &[String]) -> (String, Option<String>, Option<Value>) {
+    let mut text = String::new();
+    let (mut finish, mut usage) = (None, None);
+    for e in events.iter().filter(|e| *e != "[DONE]") {
+        let v: Value = serde_json::from_str(e).expect("chunk JSON");
+        if !v["usage"].is_null() {
+            usage = Some(v["usage"].clone());
+        }
+        for c in v["choices"].as_array().unwrap() {
+            if let Some(t) = c["delta"]["content"].as_str().or(c["text"].as_str()) {
+                text.push_str(t);
+            }
+            if let Some(f) = c["finish_reason"].as_str() {
+                finish = Some(f.to_string());
+            }
+        }
+    }
+    (text, finish, usage)
+}
+
+#[test]
+fn chat_matches_reference_and_stream_equals_nonstream() {
+    model_dir("default-f32");
+    let s = Server::ready(&["--model", "default-f32"]);
+    // Greedy chat through HTTP = llama.cpp's greedy output (f32 weights).
+    let g = &golden()["greedy"][0];
+    let (st, v) = post(
+        &s,
+        "/v1/chat/completions",
+        &json!({"messages": g["messages"], "max_tokens": 32, "temperature": 0}),
+    );
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], g["output_text"]);
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert_eq!(v["object"], "chat.completion");
+    let n_prompt = g["prompt_ids"].as_array().unwrap().len() as u64;
+    let n_out = g["output_ids"].as_array().unwrap().len() as u64 - 1; // EOS is not output
+    assert_eq!(v["usage"]["prompt_tokens"], n_prompt);
+    assert_eq!(v["usage"]["completion_tokens"], n_out);
+    assert_eq!(v["usage"]["total_tokens"], n_prompt + n_out);
+
+    // Sampled with a seed: streamed text = non-streamed text, for chat and completions.
+    for (path, body) in [
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "Write a short poem about ice."}],
+                   "max_tokens": 40, "temperature": 0.9, "top_p": 0.95, "seed": 1234}),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "Once upon a time", "max_tokens": 40, "temperature": 0.9,
+                   "top_k": 40, "seed": 99}),
+        ),
+    ] {
+        let (st, plain) = post(&s, path, &body);
+        assert_eq!(st, 200, "{plain}");
+        let mut sb = body.clone();
+        sb["stream"] = json!(true);
+        sb["stream_options"] = json!({"include_usage": true});
+        let resp = client().post(s.url(path)).json(&sb).send().unwrap();
+        assert_eq!(resp.status().as_u16(), 200);
+        assert!(resp.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream"));
+        let events = sse_events(resp);
+        assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+        let (text, finish, usage) = stream_text(&events);
+        let want = plain["choices"][0]["message"]["content"]
+            .as_str()
+            .or(plain["choices"][0]["text"].as_str())
+            .unwrap();
+        assert_eq!(text, want, "{path}");
+        assert!(!text.is_empty());
+        assert_eq!(
+            finish.as_deref(),
+            plain["choices"][0]["finish_reason"].as_str()
+        );
+        // Same counts (the prefix cache may serve more of the prompt the second time).
+        let u = usage.unwrap();
+        for k in ["prompt_tokens", "completion_tokens", "total_tokens"] {
+            assert_eq!(u[k], plain["usage"][k], "{path} {k}");
+        }
+        // Same seed again: same text.
+        let (_, again) = post(&s, path, &body);
+        assert_eq!(again["choices"], plain["choices"]);
+    }
+
+    // ignore_eos fixes the output length; stop strings cut it.
+    let (_, v) = post(
+        &s,
+        "/v1/completions",
+        &json!({"prompt": "The capital of France is", "max_tokens": 17, "temperature": 0,
+                "ignore_eos": true}),
+    );
+    assert_eq!(v["usage"]["completion_tokens"], 17);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    let full = v["choices"][0]["text"].as_str().unwrap().to_string();
+    let cut_at = full.find('.').expect("a period in the output");
+    let (_, v) = post(
+        &s,
+        "/v1/completions",
+        &json!({"prompt": "The capital of France is", "max_tokens": 17, "temperature": 0,
+                "stop": ["."]}),
+    );
+    assert_eq!(v["choices"][0]["text"], &full[..cut_at]);
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+}
+
+#[test]
+fn invoke_health_ready_models() {
+    model_dir("default");
+    let s = Server::spawn(&[]);
+    let r = client().get(s.url("/health")).send().unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    s.wait_ready();
+    let ready: Value = client()
+        .get(s.url("/ready"))
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
+    assert_eq!(ready["state"], "ready");
+    let m: Value = client()
+        .get(s.url("/v1/models"))
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
+    assert_eq!(m["data"][0]["id"], "smollm2-135m-instruct");
+
+    let resp = client()
+        .post(s.url("/invoke"))
+        .json(
+            &json!({"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8,
+                      "temperature": 0, "ignore_eos": true}),
+        )
+        .send()
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    assert_eq!(resp.headers()["x-thaw-cold-start"], "false");
+    let v: Value = resp.json().unwrap();
+    assert!(!v["text"].as_str().unwrap().is_empty(), "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 8);
+    assert_eq!(v["cold_start"], false);
+    assert!(v["timings"]["load_ms"].is_null());
+    let t = &v["timings"];
+    let (ttft, total) = (
+        t["ttft_ms"].as_f64().unwrap(),
+        t["total_ms"].as_f64().unwrap(),
+    );
+    assert!(ttft > 0.0 && ttft <= total, "{t}");
+    assert!(t["queue_ms"].as_f64().unwrap() <= ttft, "{t}");
+    // A prompt works too; both or neither is a 400.
+    let (st, v) = post(&s, "/invoke", &json!({"prompt": "Hello", "max_tokens": 3}));
+    assert_eq!(
+        (st, v["usage"]["completion_tokens"].as_u64().unwrap() <= 3),
+        (200, true)
+    );
+    let (st, _) = post(&s, "/invoke", &json!({"max_tokens": 3}));
+    assert_eq!(st, 400);
+}
+
+#[test]
+fn official_openai_python_client() {
+    model_dir("default");
+    let s = Server::ready(&["--api-key", "sekret"]);
+    let home = std::env::var("THAW_HOME")
+        .unwrap_or_else(|_| format!("{}/.cache/thaw", std::env::var("HOME").unwrap_or_default()));
+    let py = std::env::var("THAW_TEST_PYTHON").unwrap_or(format!("{home}/venv/bin/python"));
+    assert!(
+        std::path::Path::new(&py).exists(),
+        "{py} is missing: scripts/test.sh creates it (python3 -m venv + pip install openai)"
+    );
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/openai_client.py");
+    let o = Command::new(&py)
+        .args([script, &s.base, "smollm2-135m-instruct", "sekret"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(v["chat"]["text"].as_str().unwrap().contains("Paris"), "{v}");
+    assert_eq!(v["chat_stream"]["text"], v["chat"]["text"]);
+    assert_eq!(
+        v["chat_stream"]["finish_reason"],
+        v["chat"]["finish_reason"]
+    );
+    for k in ["prompt_tokens", "completion_tokens", "total_tokens"] {
+        assert_eq!(v["chat_stream"]["usage"][k], v["chat"]["usage"][k], "{k}");
+    }
+    assert!(v["chat_stream"]["chunks"].as_u64().unwrap() > 1);
+    assert_eq!(v["completion"]["usage"]["completion_tokens"], 8);
+    assert_eq!(v["models"], json!(["smollm2-135m-instruct"]));
+    assert_eq!(v["unknown_model"], 404);
+}
+
+#[test]
+fn metrics_pass_promtool_and_count_requests() {
+    model_dir("default");
+    let s = Server::ready(&[]);
+    let count = |s: &Server| s.metric("thaw_time_to_first_token_seconds_count");
+    let before = count(&s);
+    for i in 0..3 {
+        let (st, _) = post(
+            &s,
+            "/v1/completions",
+            &json!({"prompt": "Hi", "max_tokens": 4, "temperature": 0, "ignore_eos": true}),
+        );
+        assert_eq!(st, 200);
+        assert_eq!(count(&s), before + 1.0 + i as f64);
+    }
+    assert_eq!(
+        s.metric("thaw_request_success_total{finished_reason=\"length\"}"),
+        3.0
+    );
+    assert!(s.metric("thaw_generation_tokens_total") >= 12.0);
+    assert_eq!(s.metric("thaw_state{state=\"ready\"}"), 1.0);
+    assert!(s.metric("thaw_model_load_bytes") > 2e8);
+    post(&s, "/v1/completions", &json!({"prompt": 5}));
+    assert!(s.metric("thaw_request_failure_total{reason=\"invalid_request\"}") >= 1.0);
+    let text = client()
+        .get(s.url("/metrics"))
+        .send()
+        .unwrap()
+        .text()
+        .unwrap();
+    for name in [
+        "thaw_time_to_first_token_seconds",
+        "thaw_inter_token_latency_seconds",
+        "thaw_e2e_request_latency_seconds",
+        "thaw_request_queue_time_seconds",
+        "thaw_num_requests_running",
+        "thaw_num_requests_waiting",
+        "thaw_kv_cache_usage_perc",
+        "thaw_prompt_tokens_total",
+        "thaw_prefix_cache_hits_total",
+        "thaw_prefix_cache_queries_total",
+        "thaw_model_load_seconds",
+    ] {
+        assert!(text.contains(&format!("# TYPE {name} ")), "{name} missing");
+    }
+    let mut p = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("promtool (Debian package 'prometheus'; scripts/test.sh installs it)");
+    use std::io::Write;
+    p.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let o = p.wait_with_output().unwrap();
+    assert!(
+        o.status.success(),
+        "promtool: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+#[test]
+fn errors_have_their_status_and_openai_shape() {
+    model_dir("default");
+    let s = Server::ready(&["--api-key", "k1", "--max-body-bytes", "2KiB"]);
+    let send = |path: &str, body: Vec<u8>, key: Option<&str>| -> (u16, Value) {
+        let mut rq = client()
+            .post(s.url(path))
+            .header("content-type", "application/json")
+            .body(body);
+        if let Some(k) = key {
+            rq = rq.bearer_auth(k);
+        }
+        let r = rq.send().unwrap();
+        let st = r.status().as_u16();
+        (st, r.json().unwrap_or(Value::Null))
+    };
+    let chat = |extra: Value| -> Vec<u8> {
+        let mut b = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        serde_json::to_vec(&b).unwrap()
+    };
+    let cases: Vec<(&str, Vec<u8>, Option<&str>, u16, &str)> = vec![
+        (
+            "/v1/chat/completions",
+            chat(json!({})),
+            None,
+            401,
+            "invalid_api_key",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({})),
+            Some("k2"),
+            401,
+            "invalid_api_key",
+        ),
+        (
+            "/invoke",
+            chat(json!({})),
+            Some("k"),
+            401,
+            "invalid_api_key",
+        ),
+        (
+            "/v1/chat/completions",
+            b"{\"messages\": [".to_vec(),
+            Some("k1"),
+            400,
+            "invalid_request",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"temperature": "hot"})),
+            Some("k1"),
+            400,
+            "invalid_request",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"temperature": -1})),
+            Some("k1"),
+            400,
+            "invalid_request",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"n": 2})),
+            Some("k1"),
+            400,
+            "invalid_request",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"logprobs": true})),
+            Some("k1"),
+            400,
+            "invalid_request",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"max_tokens": 0})),
+            Some("k1"),
+            400,
+            "invalid_request",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"model": "gpt-4"})),
+            Some("k1"),
+            404,
+            "model_not_found",
+        ),
+        (
+            "/v1/chat/completions",
+            vec![b' '; 4096],
+            Some("k1"),
+            413,
+            "body_too_large",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"max_tokens": 100000})),
+            Some("k1"),
+            422,
+            "context_length_exceeded",
+        ),
+        (
+            "/v1/completions",
+            serde_json::to_vec(&json!({"prompt": vec![1u32; 200], "max_tokens": 8190})).unwrap(),
+            Some("k1"),
+            422,
+            "context_length_exceeded",
+        ),
+        ("/v1/nope", chat(json!({})), Some("k1"), 404, "not_found"),
+    ];
+    for (path, body, key, status, code) in cases {
+        let (st, v) = send(path, body, key);
+        assert_eq!(st, status, "{path} {v}");
+        assert_eq!(v["error"]["code"], code, "{path} {v}");
+        assert!(v["error"]["message"].as_str().unwrap().len() > 5, "{v}");
+        assert!(v["error"]["type"].is_string(), "{v}");
+    }
+    // /health, /ready and /metrics stay open; the right key works.
+    for p in ["/health", "/ready", "/metrics"] {
+        assert_eq!(
+            client().get(s.url(p)).send().unwrap().status().as_u16(),
+            200,
+            "{p}"
+        );
+    }
+    assert_eq!(
+        send("/v1/chat/completions", chat(json!({})), Some("k1")).0,
+        200
+    );
+    let r = client().get(s.url("/v1/models")).send().unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+}
+
+#[test]
+fn overload_gets_429_and_server_stays_healthy() {
+    model_dir("default");
+    let s = Server::ready(&["--max-waiting", "8", "--max-running", "4"]);
+    let url = s.url("/v1/completions");
+    let handles: Vec<_> = (0..200)
+        .map(|i| {
+            let url = url.clone();
+            std::thread::spawn(move || {
+                let r = client()
+                    .post(url)
+                    .json(&json!({"prompt": format!("Count to {i}:"), "max_tokens": 8,
+                                  "temperature": 0, "ignore_eos": true}))
+                    .send()
+                    .expect("a response, not a dropped connection");
+                let st = r.status().as_u16();
+                if st == 429 {
+                    assert!(r.headers().contains_key("retry-after"));
+                }
+                st
+            })
+        })
+        .collect();
+    let statuses: Vec<u16> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let ok = statuses.iter().filter(|&&s| s == 200).count();
+    let busy = statuses.iter().filter(|&&s| s == 429).count();
+    assert_eq!(ok + busy, 200, "{statuses:?}");
+    assert!(ok >= 12 && busy > 0, "ok {ok}, 429 {busy}");
+    let (st, _) = post(
+        &s,
+        "/v1/completions",
+        &json!({"prompt": "Hi", "max_tokens": 2}),
+    );
+    assert_eq!(st, 200);
+    assert_eq!(
+        client()
+            .get(s.url("/health"))
+            .send()
+            .unwrap()
+            .status()
+            .as_u16(),
+        200
+    );
+}
+
+#[test]
+fn disconnect_mid_stream_frees_kv_blocks() {
+    model_dir("default");
+    let s = Server::ready(&[]);
+    assert_eq!(s.metric("thaw_kv_cache_usage_perc"), 0.0);
+    let mut resp = client()
+        .post(s.url("/v1/chat/completions"))
+        .json(
+            &json!({"messages": [{"role": "user", "content": "Tell me a long story."}],
+                      "max_tokens": 4000, "ignore_eos": true, "stream": true}),
+        )
+        .send()
+        .unwrap();
+    let mut buf = [0u8; 4096];
+    let mut got = 0;
+    while got < 2000 {
+        got += resp.read(&mut buf).unwrap();
+    }
+    assert!(s.metric("thaw_kv_cache_usage_perc") > 0.0);
+    drop(resp);
+    let t = Instant::now();
+    while s.metric("thaw_kv_cache_usage_perc") > 0.0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "KV blocks still held"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(s.metric("thaw_num_requests_running"), 0.0);
+    assert_eq!(
+        s.metric("thaw_request_success_total{finished_reason=\"abort\"}"),
+        1.0
+    );
+}
+
+#[test]
+fn sigterm_drains_in_flight_streams_then_exits_zero() {
+    model_dir("default");
+    let mut s = Server::ready(&["--drain-timeout", "60s"]);
+    let url = s.url("/v1/completions");
+    let streams: Vec<_> = (0..4)
+        .map(|i| {
+            let url = url.clone();
+            std::thread::spawn(move || {
+                let r = client()
+                    .post(url)
+                    .json(&json!({"prompt": format!("Story {i}:"), "max_tokens": 48,
+                                  "ignore_eos": true, "stream": true, "temperature": 0,
+                                  "stream_options": {"include_usage": true}}))
+                    .send()
+                    .unwrap();
+                assert_eq!(r.status().as_u16(), 200);
+                stream_text(&sse_events(r))
+            })
+        })
+        .collect();
+    // Wait until all four are running, then ask the worker to stop.
+    let t = Instant::now();
+    while s.metric("thaw_num_requests_running") < 4.0 {
+        assert!(t.elapsed() < Duration::from_secs(30));
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    s.signal(libc::SIGTERM);
+    std::thread::sleep(Duration::from_millis(100));
+    let (st, v) = post(
+        &s,
+        "/v1/completions",
+        &json!({"prompt": "late", "max_tokens": 2}),
+    );
+    assert_eq!(st, 503, "{v}");
+    let r = client().get(s.url("/ready")).send().unwrap();
+    assert_eq!(r.status().as_u16(), 503);
+    for h in streams {
+        let (_, finish, usage) = h.join().unwrap();
+        assert_eq!(finish.as_deref(), Some("length"));
+        assert_eq!(usage.unwrap()["completion_tokens"], 48);
+    }
+    let status = s.wait_exit(Duration::from_secs(30)).expect("exited");
+    assert_eq!(status.code(), Some(0), "{}", s.log());
+    assert!(s.log().contains("drained"), "{}", s.log());
+}
+
+/// xorshift64*: reproducible pseudo-random bytes for the fuzz cases.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+#[test]
+fn a_thousand_malformed_bodies_never_crash_or_500() {
+    model_dir("default");
+    let s = Server::ready(&["--default-max-tokens", "4"]);
+    let bases = [
+        json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0.5, "stop": ["x"]}),
+        json!({"prompt": "Hello there", "max_tokens": 2, "top_p": 0.9, "seed": 3}),
+        json!({"prompt": [1, 2, 3], "max_tokens": 2, "stream": true}),
+    ];
+    let wild = [
+        json!(null),
+        json!(-1),
+        json!(1e308),
+        json!(18446744073709551615u64),
+        json!("x"),
+        json!([]),
+        json!({}),
+        json!(true),
+        json!([[1]]),
+        json!(-9.5e18),
+        json!(4294967296u64),
+    ];
+    let paths = ["/v1/chat/completions", "/v1/completions", "/invoke"];
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    let http = client();
+    let mut statuses = std::collections::BTreeMap::new();
+    for i in 0..1000 {
+        let base = &bases[rng.below(bases.len())];
+        let mut body: Vec<u8> = match i % 5 {
+            // a field replaced by a value of the wrong type or size
+            0 | 1 => {
+                let mut v = base.clone();
+                let keys: Vec<String> = v.as_object().unwrap().keys().cloned().collect();
+                let extra = [
+                    "n",
+                    "top_k",
+                    "max_completion_tokens",
+                    "presence_penalty",
+                    "logprobs",
+                    "stream_options",
+                    "model",
+                ];
+                let k = if rng.below(3) == 0 {
+                    extra[rng.below(extra.len())].to_string()
+                } else {
+                    keys[rng.below(keys.len())].clone()
+                };
+                v[&k] = wild[rng.below(wild.len())].clone();
+                serde_json::to_vec(&v).unwrap()
+            }
+            // truncated JSON
+            2 => {
+                let b = serde_json::to_vec(base).unwrap();
+                b[..rng.below(b.len())].to_vec()
+            }
+            // random bytes flipped, including invalid UTF-8
+            3 => {
+                let mut b = serde_json::to_vec(base).unwrap();
+                for _ in 0..1 + rng.below(4) {
+                    let j = rng.below(b.len());
+                    b[j] = rng.next() as u8;
+                }
+                b
+            }
+            // garbage
+            _ => (0..rng.below(64)).map(|_| rng.next() as u8).collect(),
+        };
+        if rng.below(50) == 0 {
+            body = vec![0xff, 0xfe, b'{'];
+        }
+        let path = paths[rng.below(paths.len())];
+        if std::env::var("FUZZ_DEBUG").is_ok() {
+            eprintln!("case {i} {path} {:?}", String::from_utf8_lossy(&body));
+        }
+        let r = http
+            .post(s.url(path))
+            .header("content-type", "application/json")
+            .body(body.clone())
+            .send()
+            .unwrap_or_else(|e| panic!("case {i}: no response ({e}); {}", s.log()));
+        let st = r.status().as_u16();
+        let text = r.text().unwrap_or_default();
+        assert!(
+            st == 200 || (400..500).contains(&st),
+            "case {i} {path} {:?} → {st} {text}",
+            String::from_utf8_lossy(&body)
+        );
+        *statuses.entry(st).or_insert(0) += 1;
+    }
+    assert!(statuses.len() >= 2, "{statuses:?}");
+    eprintln!("statuses: {statuses:?}");
+    assert_eq!(
+        client()
+            .get(s.url("/health"))
+            .send()
+            .unwrap()
+            .status()
+            .as_u16(),
+        200
+    );
+    assert_eq!(s.metric("thaw_kv_cache_usage_perc"), 0.0);
+}
