@@ -31,7 +31,7 @@ enum Cmd {
     Kernels(kernels::KernelArgs),
     /// Every load strategy, page cache warm and cold, against the floor for the same bytes.
     Load(load::LoadArgs),
-    /// Serving throughput and latency at several concurrencies (in-process for now).
+    /// Serving throughput and latency at several concurrencies (any OpenAI server, or in-process).
     Serve(serve::ServeArgs),
     /// Write a random-weight checkpoint with a real model's shapes and shard layout.
     Synth(synth::SynthArgs),

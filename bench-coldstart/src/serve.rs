@@ -1,37 +1,68 @@
-//! `bench-coldstart serve --in-process`: the serving workload of vLLM's `bench serve` (fixed
-//! input/output lengths via ignore_eos, N concurrent requests) against the engine in this
-//! process — the stand-in until the HTTP worker lands, after which `--url` drives any
-//! OpenAI-compatible server. Reports TTFT, TPOT, ITL and end-to-end latency (p50/p90/p99) and
-//! total output tokens/s.
+//! `bench-coldstart serve`: the serving workload of vLLM's `bench serve`.
+//!
+//! `--url URL` drives any OpenAI-compatible server (thaw, llama.cpp's `llama-server`, vLLM) over
+//! HTTP with streamed `/v1/completions`; `--in-process` drives thaw's engine directly (no HTTP),
+//! which isolates the engine from the server. Both use the same workload and definitions:
+//!
+//! * prompts of exactly `--input-len` token ids (sent as ids, so every server sees the same
+//!   tokens), `--dataset random` (distinct prompts) or `fixed` (one prompt for all requests:
+//!   prefix caching may apply); outputs of exactly `--output-len` tokens via `ignore_eos`;
+//!   greedy sampling;
+//! * `--num-prompts` requests per level, at most `--concurrency` in flight (vLLM's
+//!   `--max-concurrency` with an infinite request rate);
+//! * TTFT = request sent → first streamed token; ITL = gaps between streamed chunks; TPOT =
+//!   (E2E − TTFT) / (output tokens − 1); E2E = sent → last token; output tokens/s = all output
+//!   tokens / wall time of the level. p50/p90/p99 of each.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{bail, Result};
-use serde_json::json;
+use anyhow::{bail, Context, Result};
+use futures_util::StreamExt;
+use serde_json::{json, Value};
 use thaw_runtime::engine::{Engine, EngineConfig, Event, Request};
 use thaw_runtime::fetch::resolve_model;
 use thaw_runtime::{Llama, SamplingParams};
 
 #[derive(clap::Args)]
 pub struct ServeArgs {
-    #[arg(long, default_value = "default")]
-    model: String,
-    /// Measure the engine in this process (the HTTP client arrives with the HTTP worker).
+    /// Base URL of an OpenAI-compatible server (e.g. http://127.0.0.1:8000).
+    #[arg(long, conflicts_with = "in_process")]
+    url: Option<String>,
+    /// Drive the engine in this process instead of a server.
     #[arg(long)]
     in_process: bool,
-    #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+    /// Model for --in-process; with --url, sent as the `model` field only if --served-model.
+    #[arg(long, default_value = "default")]
+    model: String,
+    /// `model` field to send with --url.
+    #[arg(long)]
+    served_model: Option<String>,
+    #[arg(long, env = "OPENAI_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,64")]
     concurrency: Vec<usize>,
+    /// Requests per concurrency level (default: max(2 × concurrency, 8)).
+    #[arg(long)]
+    num_prompts: Option<usize>,
     #[arg(long, default_value_t = 128)]
     input_len: usize,
     #[arg(long, default_value_t = 128)]
     output_len: usize,
+    /// random: distinct prompts; fixed: the same prompt for every request.
+    #[arg(long, default_value = "random")]
+    dataset: String,
+    /// KV cache memory for --in-process.
     #[arg(long, default_value_t = 512 << 20)]
     kv_cache_bytes: usize,
     /// Also measure prefix caching: TTFT of a request whose first N tokens were just served for
     /// another request, against the TTFT of the first (uncached) one.
     #[arg(long, default_value_t = 0)]
     shared_prefix: usize,
+    /// Name for this side in the output (e.g. "thaw bf16", "llama-server F16 -np 16").
+    #[arg(long, default_value = "")]
+    label: String,
     #[arg(long)]
     json: bool,
 }
@@ -48,127 +79,352 @@ fn random_ids(state: &mut u64, n: usize) -> Vec<u32> {
         .collect()
 }
 
-fn pct(v: &mut [f64], p: f64) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[((v.len() - 1) as f64 * p).round() as usize]
+/// What one request saw.
+#[derive(Default, Debug)]
+struct Outcome {
+    /// Seconds after sending at which each non-empty chunk arrived.
+    chunks: Vec<f64>,
+    output_tokens: usize,
+    error: Option<String>,
 }
 
-pub fn run(a: ServeArgs) -> Result<()> {
-    if !a.in_process {
-        bail!("only --in-process is implemented until the HTTP worker lands");
+fn pct(v: &[f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
     }
-    let dir = resolve_model(&a.model)?;
-    let model = Arc::new(Llama::load(&dir)?);
-    let engine = Engine::start(
-        model.clone(),
-        EngineConfig::with_kv_bytes(&model, a.kv_cache_bytes),
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s[((s.len() - 1) as f64 * p).round() as usize]
+}
+
+fn dist_ms(v: &[f64]) -> Value {
+    json!({"mean": v.iter().sum::<f64>() / v.len().max(1) as f64 * 1e3,
+           "p50": pct(v, 0.5) * 1e3, "p90": pct(v, 0.9) * 1e3, "p99": pct(v, 0.99) * 1e3})
+}
+
+fn summarize(c: usize, a: &ServeArgs, outs: &[Outcome], wall: f64) -> Value {
+    let ok: Vec<&Outcome> = outs
+        .iter()
+        .filter(|o| o.error.is_none() && !o.chunks.is_empty())
+        .collect();
+    let ttft: Vec<f64> = ok.iter().map(|o| o.chunks[0]).collect();
+    let e2e: Vec<f64> = ok.iter().map(|o| *o.chunks.last().unwrap()).collect();
+    let tpot: Vec<f64> = ok
+        .iter()
+        .filter(|o| o.output_tokens > 1)
+        .map(|o| (o.chunks.last().unwrap() - o.chunks[0]) / (o.output_tokens - 1) as f64)
+        .collect();
+    let itl: Vec<f64> = ok
+        .iter()
+        .flat_map(|o| o.chunks.windows(2).map(|w| w[1] - w[0]).collect::<Vec<_>>())
+        .collect();
+    let tokens: usize = ok.iter().map(|o| o.output_tokens).sum();
+    let errors: Vec<&String> = outs.iter().filter_map(|o| o.error.as_ref()).collect();
+    json!({
+        "concurrency": c, "requests": outs.len(), "completed": ok.len(), "failed": errors.len(),
+        "first_error": errors.first(),
+        "input_len": a.input_len, "output_len": a.output_len, "dataset": a.dataset,
+        "wall_s": wall,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens as f64 / wall,
+        "requests_per_s": ok.len() as f64 / wall,
+        "ttft_ms": dist_ms(&ttft), "tpot_ms": dist_ms(&tpot), "itl_ms": dist_ms(&itl),
+        "e2e_ms": dist_ms(&e2e),
+    })
+}
+
+fn print_row(label: &str, r: &Value) {
+    let f = |p: &str, k: &str| r[p][k].as_f64().unwrap_or(f64::NAN);
+    println!(
+        "{label}c={:>3} n={:>3}: {:7.1} out tok/s | TTFT p50 {:7.1} p90 {:7.1} p99 {:7.1} ms | TPOT p50 {:6.1} p99 {:6.1} ms | ITL p50 {:6.1} p99 {:6.1} ms | E2E p50 {:7.0} p99 {:7.0} ms{}",
+        r["concurrency"], r["requests"],
+        r["output_tokens_per_s"].as_f64().unwrap_or(0.0),
+        f("ttft_ms", "p50"), f("ttft_ms", "p90"), f("ttft_ms", "p99"),
+        f("tpot_ms", "p50"), f("tpot_ms", "p99"),
+        f("itl_ms", "p50"), f("itl_ms", "p99"),
+        f("e2e_ms", "p50"), f("e2e_ms", "p99"),
+        match r["failed"].as_u64() {
+            Some(0) | None => String::new(),
+            Some(n) => format!(" | {n} FAILED: {}", r["first_error"]),
+        }
     );
-    // Warm up (first touches of the KV store and the weights) as a running server would be.
-    engine
-        .submit(Request {
-            prompt: vec![504, 3575, 282],
-            max_tokens: 8,
+}
+
+/// The prompts of one level.
+fn prompts(a: &ServeArgs, c: usize, n: usize) -> Vec<Vec<u32>> {
+    let mut state = 0x2545_F491_4F6C_DD1Du64 ^ c as u64;
+    match a.dataset.as_str() {
+        "fixed" => {
+            let p = random_ids(&mut state, a.input_len);
+            vec![p; n]
+        }
+        _ => (0..n).map(|_| random_ids(&mut state, a.input_len)).collect(),
+    }
+}
+
+/// Sends requests to whoever is measured: at most `concurrency` in flight.
+trait Target: Sync {
+    fn run(&self, prompts: Vec<Vec<u32>>, max_tokens: usize, concurrency: usize) -> Vec<Outcome>;
+}
+
+struct InProcess {
+    engine: Engine,
+}
+
+impl InProcess {
+    fn one(&self, prompt: Vec<u32>, max_tokens: usize) -> Outcome {
+        let start = Instant::now();
+        let mut s = self.engine.submit(Request {
+            prompt,
+            max_tokens,
             sampling: SamplingParams::default(),
             stop_ids: vec![],
             ignore_eos: true,
+        });
+        let mut o = Outcome::default();
+        while let Some(e) = s.recv() {
+            match e {
+                Event::Token(_) => o.chunks.push(start.elapsed().as_secs_f64()),
+                Event::Finished { .. } => break,
+                Event::Error(e) => {
+                    o.error = Some(e);
+                    break;
+                }
+            }
+        }
+        o.output_tokens = o.chunks.len();
+        o
+    }
+}
+
+impl Target for InProcess {
+    fn run(&self, prompts: Vec<Vec<u32>>, max_tokens: usize, concurrency: usize) -> Vec<Outcome> {
+        let next = AtomicUsize::new(0);
+        let prompts = &prompts;
+        let mut outs: Vec<(usize, Outcome)> = std::thread::scope(|sc| {
+            let hs: Vec<_> = (0..concurrency.min(prompts.len()))
+                .map(|_| {
+                    let next = &next;
+                    sc.spawn(move || {
+                        let mut mine = vec![];
+                        loop {
+                            let i = next.fetch_add(1, Ordering::Relaxed);
+                            if i >= prompts.len() {
+                                return mine;
+                            }
+                            mine.push((i, self.one(prompts[i].clone(), max_tokens)));
+                        }
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .flat_map(|h| h.join().unwrap_or_default())
+                .collect()
+        });
+        outs.sort_by_key(|(i, _)| *i);
+        outs.into_iter().map(|(_, o)| o).collect()
+    }
+}
+
+struct Http {
+    rt: tokio::runtime::Runtime,
+    client: reqwest::Client,
+    url: String,
+    model: Option<String>,
+    api_key: Option<String>,
+}
+
+impl Http {
+    async fn one(
+        client: reqwest::Client,
+        url: String,
+        model: Option<String>,
+        key: Option<String>,
+        prompt: Vec<u32>,
+        max_tokens: usize,
+    ) -> Outcome {
+        let mut body = json!({
+            "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true,
+            "stream": true, "stream_options": {"include_usage": true},
+        });
+        if let Some(m) = model {
+            body["model"] = json!(m);
+        }
+        let mut o = Outcome::default();
+        let start = Instant::now();
+        let mut rq = client.post(format!("{url}/v1/completions")).json(&body);
+        if let Some(k) = key {
+            rq = rq.bearer_auth(k);
+        }
+        let resp = match rq.send().await {
+            Ok(r) => r,
+            Err(e) => {
+                o.error = Some(e.to_string());
+                return o;
+            }
+        };
+        if !resp.status().is_success() {
+            let st = resp.status();
+            o.error = Some(format!("{st}: {}", resp.text().await.unwrap_or_default()));
+            return o;
+        }
+        let mut usage_tokens = None;
+        let mut buf: Vec<u8> = Vec::new();
+        let mut stream = resp.bytes_stream();
+        'read: while let Some(chunk) = stream.next().await {
+            let chunk = match chunk {
+                Ok(c) => c,
+                Err(e) => {
+                    o.error = Some(e.to_string());
+                    break;
+                }
+            };
+            let t = start.elapsed().as_secs_f64();
+            buf.extend_from_slice(&chunk);
+            while let Some(pos) = buf.windows(2).position(|w| w == b"\n\n") {
+                let event: Vec<u8> = buf.drain(..pos + 2).collect();
+                for line in String::from_utf8_lossy(&event).lines() {
+                    let Some(data) = line.strip_prefix("data:").map(str::trim) else {
+                        continue;
+                    };
+                    if data == "[DONE]" {
+                        break 'read;
+                    }
+                    let Ok(v) = serde_json::from_str::<Value>(data) else {
+                        continue;
+                    };
+                    if let Some(e) = v.get("error") {
+                        o.error = Some(e.to_string());
+                        break 'read;
+                    }
+                    if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+                        usage_tokens = Some(n as usize);
+                    }
+                    let text = v["choices"][0]["text"].as_str().unwrap_or("");
+                    if !text.is_empty() {
+                        o.chunks.push(t);
+                    }
+                }
+            }
+        }
+        o.output_tokens = usage_tokens.unwrap_or(o.chunks.len());
+        o
+    }
+}
+
+impl Target for Http {
+    fn run(&self, prompts: Vec<Vec<u32>>, max_tokens: usize, concurrency: usize) -> Vec<Outcome> {
+        self.rt.block_on(async {
+            let prompts = Arc::new(prompts);
+            let next = Arc::new(AtomicUsize::new(0));
+            let mut tasks = Vec::new();
+            for _ in 0..concurrency.min(prompts.len()) {
+                let (prompts, next) = (prompts.clone(), next.clone());
+                let (client, url, model, key) = (
+                    self.client.clone(),
+                    self.url.clone(),
+                    self.model.clone(),
+                    self.api_key.clone(),
+                );
+                tasks.push(tokio::spawn(async move {
+                    let mut mine = vec![];
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        if i >= prompts.len() {
+                            return mine;
+                        }
+                        let o = Http::one(
+                            client.clone(),
+                            url.clone(),
+                            model.clone(),
+                            key.clone(),
+                            prompts[i].clone(),
+                            max_tokens,
+                        )
+                        .await;
+                        mine.push((i, o));
+                    }
+                }));
+            }
+            let mut outs = Vec::new();
+            for t in tasks {
+                outs.extend(t.await.unwrap_or_default());
+            }
+            outs.sort_by_key(|(i, _)| *i);
+            outs.into_iter().map(|(_, o)| o).collect()
         })
-        .collect();
+    }
+}
+
+pub fn run(a: ServeArgs) -> Result<()> {
+    let target: Box<dyn Target> = if let Some(url) = &a.url {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()?;
+        Box::new(Http {
+            rt,
+            client: reqwest::Client::builder()
+                .pool_max_idle_per_host(256)
+                .build()?,
+            url: url.trim_end_matches('/').to_string(),
+            model: a.served_model.clone(),
+            api_key: a.api_key.clone(),
+        })
+    } else if a.in_process {
+        let dir = resolve_model(&a.model)?;
+        let model = Arc::new(Llama::load(&dir)?);
+        let engine = Engine::start(
+            model.clone(),
+            EngineConfig::with_kv_bytes(&model, a.kv_cache_bytes),
+        );
+        Box::new(InProcess { engine })
+    } else {
+        bail!("give --url URL (an OpenAI-compatible server) or --in-process");
+    };
+    // Warm up (first touches of the KV store and the weights; the server's connection pool).
+    let w = target.run(vec![vec![504, 3575, 282]], 8, 1);
+    if let Some(e) = &w[0].error {
+        bail!("the warmup request failed: {e}");
+    }
+    let label = if a.label.is_empty() {
+        String::new()
+    } else {
+        format!("{}: ", a.label)
+    };
     let mut results = Vec::new();
     for &c in &a.concurrency {
-        // Distinct random prompts (no prefix sharing) of exactly input_len ids.
-        let mut state = 0x2545_F491_4F6C_DD1Du64 ^ c as u64;
-        let prompts: Vec<Vec<u32>> = (0..c)
-            .map(|_| random_ids(&mut state, a.input_len))
-            .collect();
+        let n = a.num_prompts.unwrap_or((2 * c).max(8));
+        let ps = prompts(&a, c, n);
         let t0 = Instant::now();
-        let handles: Vec<_> = prompts
-            .into_iter()
-            .map(|p| {
-                let mut s = engine.submit(Request {
-                    prompt: p,
-                    max_tokens: a.output_len,
-                    sampling: SamplingParams::default(),
-                    stop_ids: vec![],
-                    ignore_eos: true,
-                });
-                std::thread::spawn(move || {
-                    let start = Instant::now();
-                    let mut times = Vec::new();
-                    while let Some(e) = s.recv() {
-                        match e {
-                            Event::Token(_) => times.push(start.elapsed().as_secs_f64()),
-                            _ => break,
-                        }
-                    }
-                    times
-                })
-            })
-            .collect();
-        let per: Vec<Vec<f64>> = handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_default())
-            .collect();
-        let wall = t0.elapsed().as_secs_f64();
-        let mut ttft: Vec<f64> = per.iter().filter_map(|t| t.first().copied()).collect();
-        let mut e2e: Vec<f64> = per.iter().filter_map(|t| t.last().copied()).collect();
-        let mut tpot: Vec<f64> = per
-            .iter()
-            .filter(|t| t.len() > 1)
-            .map(|t| (t[t.len() - 1] - t[0]) / (t.len() - 1) as f64)
-            .collect();
-        let mut itl: Vec<f64> = per
-            .iter()
-            .flat_map(|t| t.windows(2).map(|w| w[1] - w[0]).collect::<Vec<_>>())
-            .collect();
-        let tokens: usize = per.iter().map(|t| t.len()).sum();
-        let r = json!({
-            "concurrency": c, "input_len": a.input_len, "output_len": a.output_len,
-            "output_tokens_per_s": tokens as f64 / wall,
-            "ttft_ms": {"p50": pct(&mut ttft, 0.5) * 1e3, "p90": pct(&mut ttft, 0.9) * 1e3, "p99": pct(&mut ttft, 0.99) * 1e3},
-            "tpot_ms": {"p50": pct(&mut tpot, 0.5) * 1e3, "p90": pct(&mut tpot, 0.9) * 1e3, "p99": pct(&mut tpot, 0.99) * 1e3},
-            "itl_ms": {"p50": pct(&mut itl, 0.5) * 1e3, "p99": pct(&mut itl, 0.99) * 1e3},
-            "e2e_s": {"p50": pct(&mut e2e, 0.5), "p99": pct(&mut e2e, 0.99)},
-        });
+        let outs = target.run(ps, a.output_len, c);
+        let r = summarize(c, &a, &outs, t0.elapsed().as_secs_f64());
         if !a.json {
-            println!(
-                "concurrency {c:>3}: {:7.1} output tok/s | TTFT p50 {:7.1} p99 {:7.1} ms | TPOT p50 {:6.1} ms | ITL p99 {:6.1} ms | E2E p50 {:.2} s",
-                r["output_tokens_per_s"].as_f64().unwrap_or(0.0),
-                r["ttft_ms"]["p50"].as_f64().unwrap_or(0.0),
-                r["ttft_ms"]["p99"].as_f64().unwrap_or(0.0),
-                r["tpot_ms"]["p50"].as_f64().unwrap_or(0.0),
-                r["itl_ms"]["p99"].as_f64().unwrap_or(0.0),
-                r["e2e_s"]["p50"].as_f64().unwrap_or(0.0),
-            );
+            print_row(&label, &r);
         }
         results.push(r);
     }
-    let mut prefix = serde_json::Value::Null;
+    let mut prefix = Value::Null;
     if a.shared_prefix > 0 {
         let mut state = 0x9E37_79B9_7F4A_7C15u64;
         let shared = random_ids(&mut state, a.shared_prefix);
-        let ttft = |suffix: Vec<u32>| -> f64 {
+        let ttft = |suffix: Vec<u32>| -> Result<f64> {
             let mut p = shared.clone();
             p.extend(suffix);
-            let t = Instant::now();
-            let mut s = engine.submit(Request {
-                prompt: p,
-                max_tokens: 1,
-                sampling: SamplingParams::default(),
-                stop_ids: vec![],
-                ignore_eos: true,
-            });
-            let _ = s.recv();
-            let dt = t.elapsed().as_secs_f64();
-            s.collect();
-            dt
+            let o = target.run(vec![p], 1, 1).pop().context("no outcome")?;
+            if let Some(e) = o.error {
+                bail!("prefix request failed: {e}");
+            }
+            o.chunks.first().copied().context("no token")
         };
         let (s1, s2) = (random_ids(&mut state, 16), random_ids(&mut state, 16));
-        let cold = ttft(s1);
-        let warm = ttft(s2);
-        prefix = json!({"prefix_tokens": a.shared_prefix, "uncached_ttft_ms": cold * 1e3, "cached_ttft_ms": warm * 1e3, "ratio": warm / cold});
+        let cold = ttft(s1)?;
+        let warm = ttft(s2)?;
+        prefix = json!({"prefix_tokens": a.shared_prefix, "uncached_ttft_ms": cold * 1e3,
+                        "cached_ttft_ms": warm * 1e3, "ratio": warm / cold});
         if !a.json {
             println!(
-                "shared prefix {}: TTFT uncached {:.1} ms, cached {:.1} ms = {:.3} of uncached",
+                "{label}shared prefix {}: TTFT uncached {:.1} ms, cached {:.1} ms = {:.3} of uncached",
                 a.shared_prefix,
                 cold * 1e3,
                 warm * 1e3,
@@ -179,7 +435,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
     if a.json {
         println!(
             "{}",
-            json!({"model": dir.display().to_string(), "results": results, "prefix_cache": prefix})
+            json!({"label": a.label, "target": a.url.clone().unwrap_or_else(|| format!("in-process {}", a.model)),
+                   "results": results, "prefix_cache": prefix})
         );
     }
     Ok(())
