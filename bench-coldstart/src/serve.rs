@@ -158,7 +158,9 @@ fn prompts(a: &ServeArgs, c: usize, n: usize) -> Vec<Vec<u32>> {
             let p = random_ids(&mut state, a.input_len);
             vec![p; n]
         }
-        _ => (0..n).map(|_| random_ids(&mut state, a.input_len)).collect(),
+        _ => (0..n)
+            .map(|_| random_ids(&mut state, a.input_len))
+            .collect(),
     }
 }
 
@@ -252,14 +254,25 @@ impl Http {
         }
         let mut o = Outcome::default();
         let start = Instant::now();
-        let mut rq = client.post(format!("{url}/v1/completions")).json(&body);
-        if let Some(k) = key {
-            rq = rq.bearer_auth(k);
-        }
-        let resp = match rq.send().await {
+        let send = || {
+            let mut rq = client.post(format!("{url}/v1/completions")).json(&body);
+            if let Some(k) = &key {
+                rq = rq.bearer_auth(k);
+            }
+            rq.send()
+        };
+        // A connection the server closed while idle in the pool fails before the request is
+        // sent; one retry on a fresh connection is what any client does (llama-server closes
+        // idle keep-alive connections, which otherwise shows up as failed requests).
+        let resp = match send().await {
+            Ok(r) => Ok(r),
+            Err(e) if e.is_request() || e.is_connect() => send().await,
+            Err(e) => Err(e),
+        };
+        let resp = match resp {
             Ok(r) => r,
             Err(e) => {
-                o.error = Some(e.to_string());
+                o.error = Some(format!("{e:?}"));
                 return o;
             }
         };

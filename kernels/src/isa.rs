@@ -4,6 +4,9 @@ use std::sync::OnceLock;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {
+    /// AVX-512 with BF16 dot products (`vdpbf16ps`): bf16 matrix products take bf16
+    /// activations and do 32 multiply-adds per instruction; everything else as `Avx512`.
+    Avx512Bf16,
     /// AVX-512 F/BW/VL: 16 f32 lanes, masked tails.
     Avx512,
     /// AVX2 + FMA + F16C: 8 f32 lanes.
@@ -22,6 +25,9 @@ impl Isa {
                 && is_x86_feature_detected!("avx512bw")
                 && is_x86_feature_detected!("avx512vl")
             {
+                if is_x86_feature_detected!("avx512bf16") {
+                    v.push(Isa::Avx512Bf16);
+                }
                 v.push(Isa::Avx512);
             }
             if is_x86_feature_detected!("avx2")
@@ -35,7 +41,8 @@ impl Isa {
         v
     }
 
-    /// The best available ISA, or the one `THAW_ISA` (avx512|avx2|scalar) names if the CPU has it.
+    /// The best available ISA, or the one `THAW_ISA` (avx512bf16|avx512|avx2|scalar) names if
+    /// the CPU has it.
     pub fn detect() -> Isa {
         static ISA: OnceLock<Isa> = OnceLock::new();
         *ISA.get_or_init(|| {
@@ -43,6 +50,7 @@ impl Isa {
             let wanted = std::env::var("THAW_ISA")
                 .ok()
                 .and_then(|s| match s.as_str() {
+                    "avx512bf16" => Some(Isa::Avx512Bf16),
                     "avx512" => Some(Isa::Avx512),
                     "avx2" => Some(Isa::Avx2),
                     "scalar" => Some(Isa::Scalar),
@@ -55,8 +63,14 @@ impl Isa {
         })
     }
 
+    /// Whether the AVX-512 f32 paths apply (everything but the bf16 matrix product).
+    pub fn avx512(self) -> bool {
+        matches!(self, Isa::Avx512 | Isa::Avx512Bf16)
+    }
+
     pub fn name(self) -> &'static str {
         match self {
+            Isa::Avx512Bf16 => "avx512bf16",
             Isa::Avx512 => "avx512",
             Isa::Avx2 => "avx2",
             Isa::Scalar => "scalar",

@@ -65,12 +65,34 @@ const TOKEN_BLOCK: usize = 64;
 const KIND_F32: u8 = 0;
 const KIND_BF16: u8 = 1;
 const KIND_F16: u8 = 2;
+/// bf16 weights × bf16 activations with `vdpbf16ps` (the activations are passed as a `*const
+/// f32` that really points at u16 pairs; `ldx` then counts f32 slots, i.e. pairs).
+const KIND_BF16_DOT: u8 = 3;
 
-/// The activations, plus (for the AVX-512 bf16 kernel) the same values split even/odd per
-/// 32-chunk, computed once per call and shared by every task.
+/// The activations, plus a per-call rearrangement shared by every task: for the AVX-512 bf16
+/// kernel, the values split even/odd per 32-chunk; for the BF16-dot kernel, the values rounded
+/// to bf16.
 pub(crate) struct Input<'a> {
     x: &'a [f32],
     split: Option<(&'a [f32], usize)>,
+    /// bf16 bits, `ldx` per token (a multiple of 32, zero-padded).
+    bf16: Option<(&'a [u16], usize)>,
+}
+
+/// `x` (`[n, k]`) rounded to bf16 (round to nearest even), each row zero-padded to a multiple of
+/// 32 so the kernel's 64-byte loads never need a mask.
+fn to_bf16_padded(x: &[f32], n: usize, k: usize) -> (Vec<u16>, usize) {
+    let kp = k.div_ceil(32) * 32;
+    let mut out = vec![0u16; n * kp];
+    for t in 0..n {
+        for (o, &v) in out[t * kp..t * kp + k]
+            .iter_mut()
+            .zip(&x[t * k..(t + 1) * k])
+        {
+            *o = half::bf16::from_f32(v).to_bits();
+        }
+    }
+    (out, kp)
 }
 
 /// Rearranges each 32-value chunk of each row of `x` (`[n, k]`) as its 16 even-indexed values
@@ -144,8 +166,11 @@ pub fn matmul_with(
             r = e;
         }
     }
-    let split = (isa == Isa::Avx512 && mats.iter().any(|(m, _)| matches!(m.w, Weights::Bf16(_))))
-        .then(|| split_even_odd(x, n, k));
+    let any_bf16 = mats.iter().any(|(m, _)| matches!(m.w, Weights::Bf16(_)));
+    let split = (isa == Isa::Avx512 && any_bf16).then(|| split_even_odd(x, n, k));
+    // With BF16 dot products every bf16 product of every batch size takes this path, so a
+    // token's result never depends on how many tokens share the call.
+    let bf16 = (isa == Isa::Avx512Bf16 && any_bf16).then(|| to_bf16_padded(x, n, k));
     let views: Vec<(Matrix<'_>, OutPtr)> = mats
         .iter_mut()
         .map(|(m, o)| (*m, OutPtr(o.as_mut_ptr())))
@@ -157,6 +182,7 @@ pub fn matmul_with(
         let input = Input {
             x: &x[t0 * k..t1 * k],
             split: split.as_ref().map(|(v, kp)| (&v[t0 * kp..t1 * kp], *kp)),
+            bf16: bf16.as_ref().map(|(v, kp)| (&v[t0 * kp..t1 * kp], *kp)),
         };
         // SAFETY: shapes were checked above; this task writes only rows r0..r1 of tokens
         // t0..t1 of `out`.
@@ -195,8 +221,10 @@ unsafe fn rows_kernel(
 ) {
     #[cfg(target_arch = "x86_64")]
     match isa {
-        // SAFETY: Isa::Avx512/Avx2 are only produced after feature detection.
-        Isa::Avx512 => return unsafe { avx512::rows(input, n, k, m, r0, r1, out, ldo) },
+        // SAFETY: Isa::Avx512*/Avx2 are only produced after feature detection.
+        Isa::Avx512 | Isa::Avx512Bf16 => {
+            return unsafe { avx512::rows(input, n, k, m, r0, r1, out, ldo) }
+        }
         Isa::Avx2 => return unsafe { avx2::rows(input, n, k, m, r0, r1, out, ldo) },
         Isa::Scalar => {}
     }
@@ -248,11 +276,24 @@ macro_rules! rows_driver {
             unsafe {
                 match kind {
                     KIND_F32 => rows_k::<KIND_F32>(x.x.as_ptr(), k, n, k, w, r0, r1, out, ldo),
-                    KIND_BF16 => match x.split {
-                        Some((xs, ldx)) => {
+                    KIND_BF16 => match (x.bf16, x.split) {
+                        (Some((xb, ldx)), _) => rows_k::<KIND_BF16_DOT>(
+                            xb.as_ptr().cast(),
+                            ldx / 2,
+                            n,
+                            k,
+                            w,
+                            r0,
+                            r1,
+                            out,
+                            ldo,
+                        ),
+                        (None, Some((xs, ldx))) => {
                             rows_k::<KIND_BF16>(xs.as_ptr(), ldx, n, k, w, r0, r1, out, ldo)
                         }
-                        None => rows_k::<KIND_BF16>(x.x.as_ptr(), k, n, k, w, r0, r1, out, ldo),
+                        (None, None) => {
+                            rows_k::<KIND_BF16>(x.x.as_ptr(), k, n, k, w, r0, r1, out, ldo)
+                        }
                     },
                     _ => rows_k::<KIND_F16>(x.x.as_ptr(), k, n, k, w, r0, r1, out, ldo),
                 }
@@ -429,6 +470,21 @@ mod avx512 {
             // SAFETY: same contract.
             return unsafe { tile_bf16::<R, T>(x, ldx, k, w.cast(), r, out, ldo) };
         }
+        if K == KIND_BF16_DOT {
+            // SAFETY: same contract; KIND_BF16_DOT is only chosen when Isa::Avx512Bf16 was
+            // detected, and `x` then points at bf16 values, `2 * ldx` per token.
+            return unsafe {
+                super::avx512_bf16_dot::tile_dot::<R, T>(
+                    x.cast(),
+                    2 * ldx,
+                    k,
+                    w.cast(),
+                    r,
+                    out,
+                    ldo,
+                )
+            };
+        }
         // SAFETY: rows r..r+R of `w` and tokens 0..T of `x`/`out` are in bounds (caller).
         unsafe {
             let mut acc = [[_mm512_setzero_ps(); T]; R];
@@ -542,6 +598,72 @@ mod avx512_bf16_tile {
                     for t in 0..T {
                         acc[ri][t] = _mm512_fmadd_ps(we, xe[t], acc[ri][t]);
                         acc[ri][t] = _mm512_fmadd_ps(wo, xo[t], acc[ri][t]);
+                    }
+                }
+                i += 32;
+            }
+            for ri in 0..R {
+                for t in 0..T {
+                    *out.add(t * ldo + r + ri) = _mm512_reduce_add_ps(acc[ri][t]);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512_bf16_dot {
+    use std::arch::x86_64::*;
+
+    /// bf16 weights × bf16 activations, 32 per instruction: `vdpbf16ps` multiplies the (even,
+    /// odd) pairs of each 32-bit lane and adds both products to that lane's f32 sum, so one
+    /// 64-byte load of a weight row and one of a token feed 32 multiply-adds — half the
+    /// instructions of widening to f32 and two FMAs. Activations were rounded to bf16 once per
+    /// call (as llama.cpp's bf16 path does) and zero-padded to a multiple of 32 (`ldx` u16 per
+    /// token); weight tails are masked loads.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    pub(super) unsafe fn tile_dot<const R: usize, const T: usize>(
+        x: *const u16,
+        ldx: usize,
+        k: usize,
+        w: *const u16,
+        r: usize,
+        out: *mut f32,
+        ldo: usize,
+    ) {
+        // SAFETY: rows r..r+R of `w` (k elements each) and tokens 0..T of `x` (ldx ≥ k rounded
+        // up to 32) and `out` are in bounds (caller); masked loads never touch lanes beyond k;
+        // prefetches cannot fault. The transmutes reinterpret 512 bits as 32 bf16 values.
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); T]; R];
+            let full = k / 32 * 32;
+            let step_bytes = R * 64;
+            let next = w.wrapping_add((r + R) * k).cast::<u8>();
+            let mut i = 0;
+            while i < k {
+                let pf = next.wrapping_add(i / 32 * step_bytes);
+                let mut line = 0;
+                while line < step_bytes {
+                    _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(line).cast());
+                    line += 64;
+                }
+                let mut xv = [_mm512_setzero_si512(); T];
+                for t in 0..T {
+                    xv[t] = _mm512_loadu_si512(x.add(t * ldx + i).cast());
+                }
+                for ri in 0..R {
+                    let wp = w.add((r + ri) * k + i);
+                    let wv = if i < full {
+                        _mm512_loadu_si512(wp.cast())
+                    } else {
+                        let m32: __mmask32 = ((1u64 << (k - i)) - 1) as u32;
+                        _mm512_maskz_loadu_epi16(m32, wp.cast())
+                    };
+                    let wb: __m512bh = std::mem::transmute(wv);
+                    for t in 0..T {
+                        let xb: __m512bh = std::mem::transmute(xv[t]);
+                        acc[ri][t] = _mm512_dpbf16_ps(acc[ri][t], wb, xb);
                     }
                 }
                 i += 32;
@@ -700,8 +822,18 @@ mod tests {
                     Box::new(|i| f16::from_bits(wh[i]).to_f64()),
                 ),
             ];
-            for (w, wval) in &variants {
+            for (vi, (w, wval)) in variants.iter().enumerate() {
                 for isa in Isa::available() {
+                    // The BF16-dot path multiplies bf16 weights by activations rounded to bf16:
+                    // its exact result is the sum over those rounded values.
+                    let round_x = isa == Isa::Avx512Bf16 && vi == 1;
+                    let xval = |i: usize| {
+                        if round_x {
+                            bf16::from_f32(x[i]).to_f64()
+                        } else {
+                            x[i] as f64
+                        }
+                    };
                     let m = Matrix::new(*w, rows, k);
                     let mut out = vec![0f32; n * rows];
                     let mut out2 = vec![0f32; n * rows];
@@ -711,7 +843,7 @@ mod tests {
                         for r in 0..rows {
                             let (mut want, mut mag) = (0f64, 0f64);
                             for i in 0..k {
-                                let p = x[t * k + i] as f64 * wval(r * k + i);
+                                let p = xval(t * k + i) * wval(r * k + i);
                                 want += p;
                                 mag += p.abs();
                             }

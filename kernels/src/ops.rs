@@ -21,7 +21,7 @@ macro_rules! multiversion {
                 unsafe fn avx2($($arg: $ty),*) $(-> $ret)? { $generic($($arg),*) }
                 match Isa::detect() {
                     // SAFETY: Isa::detect reports only features this CPU has.
-                    Isa::Avx512 => return unsafe { avx512($($arg),*) },
+                    Isa::Avx512 | Isa::Avx512Bf16 => return unsafe { avx512($($arg),*) },
                     // SAFETY: as above.
                     Isa::Avx2 => return unsafe { avx2($($arg),*) },
                     Isa::Scalar => {}
@@ -191,9 +191,9 @@ pub fn paged_attention(
     let scale = 1.0 / (hd as f32).sqrt();
     let out_ptr = SyncPtr(out.as_mut_ptr());
     let job = |task: usize| {
-        let (t, h) = (task / nh, task % nh);
-        let kvh = h / group;
-        let qr = &q[(t * nh + h) * hd..(t * nh + h + 1) * hd];
+        let (t, kvh) = (task / nkv, task % nkv);
+        let h = kvh * group;
+        let qr = &q[(t * nh + h) * hd..(t * nh + h + group) * hd];
         let layout = KvLayout::Paged {
             table: rows[t].table,
             block_size: store.block_size,
@@ -201,11 +201,14 @@ pub fn paged_attention(
             stride: nkv * hd,
             off: store.layer_off + kvh * hd,
         };
-        // SAFETY: each task writes the disjoint row (t, h) of `out`, whose bounds were asserted.
-        let o = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add((t * nh + h) * hd), hd) };
-        attend_one(qr, k, v, rows[t].pos + 1, layout, scale, o);
+        // SAFETY: each task writes the disjoint rows (t, h..h + group) of `out`, whose bounds
+        // were asserted.
+        let o = unsafe {
+            std::slice::from_raw_parts_mut(out_ptr.get().add((t * nh + h) * hd), group * hd)
+        };
+        attend_group(qr, hd, k, v, rows[t].pos + 1, layout, scale, o);
     };
-    pool.run(n * nh, &job);
+    pool.run(n * nkv, &job);
 }
 
 /// Keys per attention block. Blocks start at absolute positions 0, B, 2B, … so a query's result
@@ -244,6 +247,61 @@ impl KvLayout<'_> {
     }
 }
 
+/// The `g = qs.len() / hd` query heads that share one KV head (GQA), one query row, against
+/// `visible` keys: each key and value row is loaded once for the whole group. Per head the
+/// result is what [`attend_one`] gives.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_group(
+    qs: &[f32],
+    hd: usize,
+    k: &[f32],
+    v: &[f32],
+    visible: usize,
+    layout: KvLayout<'_>,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let g = qs.len() / hd;
+    assert_eq!(qs.len(), g * hd);
+    assert_eq!(out.len(), g * hd);
+    #[cfg(target_arch = "x86_64")]
+    if Isa::detect().avx512() && (hd == 64 || hd == 128) {
+        // Heads per pass: the group's output accumulators (heads × hd/16 registers) must stay
+        // in the 32 vector registers next to the value row being read.
+        let per = if hd == 64 { 4 } else { 3 };
+        let mut h = 0;
+        while h < g {
+            let c = (g - h).min(per);
+            let (q, o) = (&qs[h * hd..(h + c) * hd], &mut out[h * hd..(h + c) * hd]);
+            // SAFETY: AVX-512 was detected; shapes match the const parameters.
+            unsafe {
+                match (hd, c) {
+                    (64, 1) => simd::group::<4, 1>(q, k, v, visible, &layout, scale, o),
+                    (64, 2) => simd::group::<4, 2>(q, k, v, visible, &layout, scale, o),
+                    (64, 3) => simd::group::<4, 3>(q, k, v, visible, &layout, scale, o),
+                    (64, _) => simd::group::<4, 4>(q, k, v, visible, &layout, scale, o),
+                    (_, 1) => simd::group::<8, 1>(q, k, v, visible, &layout, scale, o),
+                    (_, 2) => simd::group::<8, 2>(q, k, v, visible, &layout, scale, o),
+                    _ => simd::group::<8, 3>(q, k, v, visible, &layout, scale, o),
+                }
+            }
+            h += c;
+        }
+        return;
+    }
+    for h in 0..g {
+        attend_one(
+            &qs[h * hd..(h + 1) * hd],
+            k,
+            v,
+            visible,
+            layout,
+            scale,
+            &mut out[h * hd..(h + 1) * hd],
+        );
+    }
+}
+
 /// One query row against `visible` keys (see [`attend_one_with`]), on the best SIMD path.
 pub fn attend_one(
     q: &[f32],
@@ -266,27 +324,12 @@ pub fn attend_one(
             scale: f32,
             out: &mut [f32],
         ) {
-            let accum =
-                |o: &mut [f32], p: &[f32], v: &[f32], first: usize, layout: &KvLayout<'_>| match o
-                    .len()
-                {
-                    // SAFETY (both): this function only runs where AVX-512 was detected.
-                    64 => unsafe { simd::accum_avx512::<4>(o, p, v, first, layout) },
-                    128 => unsafe { simd::accum_avx512::<8>(o, p, v, first, layout) },
-                    _ => accum_values(o, p, v, first, layout),
-                };
-            // SAFETY: this function only runs where AVX-512 was detected.
-            attend_one_with(
-                |a, b| unsafe { simd::dot_avx512(a, b) },
-                accum,
-                q,
-                k,
-                v,
-                visible,
-                layout,
-                scale,
-                out,
-            )
+            match q.len() {
+                // SAFETY (both): this function only runs where AVX-512 was detected.
+                64 => unsafe { simd::group::<4, 1>(q, k, v, visible, &layout, scale, out) },
+                128 => unsafe { simd::group::<8, 1>(q, k, v, visible, &layout, scale, out) },
+                _ => attend_one_generic(q, k, v, visible, layout, scale, out),
+            }
         }
         #[target_feature(enable = "avx2,fma")]
         unsafe fn avx2(
@@ -302,7 +345,9 @@ pub fn attend_one(
         }
         match Isa::detect() {
             // SAFETY: Isa::detect reports only features this CPU has.
-            Isa::Avx512 => return unsafe { avx512(q, k, v, visible, layout, scale, out) },
+            Isa::Avx512 | Isa::Avx512Bf16 => {
+                return unsafe { avx512(q, k, v, visible, layout, scale, out) }
+            }
             // SAFETY: as above.
             Isa::Avx2 => return unsafe { avx2(q, k, v, visible, layout, scale, out) },
             Isa::Scalar => {}
@@ -321,7 +366,27 @@ fn attend_one_generic(
     scale: f32,
     out: &mut [f32],
 ) {
-    attend_one_with(dot, accum_values, q, k, v, visible, layout, scale, out)
+    attend_one_with(
+        scores_generic,
+        accum_values,
+        q,
+        k,
+        v,
+        visible,
+        layout,
+        scale,
+        out,
+    )
+}
+
+/// `s[j] = q · k[row(first + j)]` for every `j < s.len()`.
+#[inline(always)]
+fn scores_generic(q: &[f32], k: &[f32], first: usize, layout: &KvLayout<'_>, s: &mut [f32]) {
+    let hd = q.len();
+    for (j, sj) in s.iter_mut().enumerate() {
+        let row = layout.row(first + j);
+        *sj = dot(q, &k[row..row + hd]);
+    }
 }
 
 /// `out += Σ_j p[j] · v[row(first + j)][..out.len()]`, one multiply and one add per element per
@@ -342,78 +407,156 @@ mod simd {
     use super::KvLayout;
     use std::arch::x86_64::*;
 
-    /// [`super::accum_values`] with the output held in registers across keys (the generic loop
-    /// reloads and stores it for every key); the same multiply-then-add per element, so the same
-    /// bits. `N` = head_dim / 16.
+    /// [`super::attend_group`] for `G` heads of head_dim `16 N`: flash-style online softmax
+    /// over blocks of [`super::ATTN_BLOCK`] keys starting at absolute positions, as
+    /// [`super::attend_one_with`] does, with each key row and value row loaded once for all `G`
+    /// heads and the `G` output rows kept in registers across the whole sequence.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn accum_avx512<const N: usize>(
-        out: &mut [f32],
-        p: &[f32],
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn group<const N: usize, const G: usize>(
+        q: &[f32],
+        k: &[f32],
         v: &[f32],
-        first: usize,
+        visible: usize,
         layout: &KvLayout<'_>,
+        scale: f32,
+        out: &mut [f32],
     ) {
-        assert_eq!(out.len(), N * 16);
-        // SAFETY: every row is bounds-checked against `v` before it is read.
+        use super::{combine, exp_approx, exp_inplace, ATTN_BLOCK, L};
+        assert_eq!(q.len(), G * N * 16);
+        assert_eq!(out.len(), G * N * 16);
+        // SAFETY: every key/value row is bounds-checked before it is read; stores stay inside
+        // `s` (masked) and `out` (G × N × 16 values).
         unsafe {
-            let mut acc = [_mm512_setzero_ps(); N];
-            for i in 0..N {
-                acc[i] = _mm512_loadu_ps(out.as_ptr().add(16 * i));
-            }
-            for (j, &pj) in p.iter().enumerate() {
-                let r = layout.row(first + j);
-                assert!(r + N * 16 <= v.len(), "value row out of bounds");
-                let pv = _mm512_set1_ps(pj);
-                let row = v.as_ptr().add(r);
-                for i in 0..N {
-                    acc[i] =
-                        _mm512_add_ps(acc[i], _mm512_mul_ps(pv, _mm512_loadu_ps(row.add(16 * i))));
+            let mut m = [f32::NEG_INFINITY; G];
+            let mut l = [0f32; G];
+            let mut s = [[0f32; ATTN_BLOCK]; G];
+            let mut acc = [[_mm512_setzero_ps(); N]; G];
+            let qp = q.as_ptr();
+            let mut b = 0;
+            while b < visible {
+                let e = (b + ATTN_BLOCK).min(visible);
+                let len = e - b;
+                // Scores, 16 keys at a time.
+                let mut j0 = 0;
+                while j0 < len {
+                    let cnt = (len - j0).min(16);
+                    let mut part = [[_mm512_setzero_ps(); 16]; G];
+                    for j in 0..cnt {
+                        let r = layout.row(b + j0 + j);
+                        assert!(r + N * 16 <= k.len(), "key row out of bounds");
+                        let row = k.as_ptr().add(r);
+                        let mut kc = [_mm512_setzero_ps(); N];
+                        for i in 0..N {
+                            kc[i] = _mm512_loadu_ps(row.add(16 * i));
+                        }
+                        for g in 0..G {
+                            let qg = qp.add(g * N * 16);
+                            let mut a = _mm512_mul_ps(_mm512_loadu_ps(qg), kc[0]);
+                            for i in 1..N {
+                                a = _mm512_fmadd_ps(_mm512_loadu_ps(qg.add(16 * i)), kc[i], a);
+                            }
+                            part[g][j] = a;
+                        }
+                    }
+                    let mask: __mmask16 = if cnt == 16 {
+                        !0
+                    } else {
+                        ((1u32 << cnt) - 1) as u16
+                    };
+                    for g in 0..G {
+                        let sums = reduce16(&part[g]);
+                        _mm512_mask_storeu_ps(s[g].as_mut_ptr().add(j0), mask, sums);
+                    }
+                    j0 += 16;
                 }
+                // Online softmax bookkeeping, per head (the same steps as attend_one_with).
+                for g in 0..G {
+                    let sb = &mut s[g][..len];
+                    sb.iter_mut().for_each(|x| *x *= scale);
+                    let bm = sb.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let m_new = m[g].max(bm);
+                    let c = if m[g] == f32::NEG_INFINITY {
+                        0.0
+                    } else {
+                        exp_approx(m[g] - m_new)
+                    };
+                    sb.iter_mut().for_each(|x| *x -= m_new);
+                    exp_inplace(sb);
+                    let mut lanes = [0f32; L];
+                    for (i, &p) in sb.iter().enumerate() {
+                        lanes[i % L] += p;
+                    }
+                    l[g] = l[g] * c + combine(lanes);
+                    m[g] = m_new;
+                    let cv = _mm512_set1_ps(c);
+                    for i in 0..N {
+                        acc[g][i] = _mm512_mul_ps(acc[g][i], cv);
+                    }
+                }
+                // Values: each row loaded once, accumulated into every head's output.
+                for j in 0..len {
+                    let r = layout.row(b + j);
+                    assert!(r + N * 16 <= v.len(), "value row out of bounds");
+                    let row = v.as_ptr().add(r);
+                    let mut vc = [_mm512_setzero_ps(); N];
+                    for i in 0..N {
+                        vc[i] = _mm512_loadu_ps(row.add(16 * i));
+                    }
+                    for g in 0..G {
+                        let p = _mm512_set1_ps(s[g][j]);
+                        for i in 0..N {
+                            acc[g][i] = _mm512_fmadd_ps(p, vc[i], acc[g][i]);
+                        }
+                    }
+                }
+                b = e;
             }
-            for i in 0..N {
-                _mm512_storeu_ps(out.as_mut_ptr().add(16 * i), acc[i]);
+            for g in 0..G {
+                let inv = _mm512_set1_ps(1.0 / l[g]);
+                for i in 0..N {
+                    _mm512_storeu_ps(
+                        out.as_mut_ptr().add((g * N + i) * 16),
+                        _mm512_mul_ps(acc[g][i], inv),
+                    );
+                }
             }
         }
     }
 
-    /// [`super::dot`] with explicit AVX-512: the same multiplies, adds and reduction tree in the
-    /// same order (so the same bits), without relying on the auto-vectorizer.
+    /// Lane `j` of the result = the sum of the 16 lanes of `v[j]`.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
-        let n = a.len().min(b.len());
-        let full = n / 16 * 16;
-        // SAFETY: loads stay below `n` (masked for the tail).
-        unsafe {
-            let mut acc = _mm512_setzero_ps();
-            let mut i = 0;
-            while i < full {
-                acc = _mm512_add_ps(
-                    acc,
-                    _mm512_mul_ps(
-                        _mm512_loadu_ps(a.as_ptr().add(i)),
-                        _mm512_loadu_ps(b.as_ptr().add(i)),
-                    ),
-                );
-                i += 16;
-            }
-            if full < n {
-                let m: __mmask16 = ((1u32 << (n - full)) - 1) as u16;
-                let p = _mm512_mul_ps(
-                    _mm512_maskz_loadu_ps(m, a.as_ptr().add(i)),
-                    _mm512_maskz_loadu_ps(m, b.as_ptr().add(i)),
-                );
-                acc = _mm512_mask_add_ps(acc, m, acc, p);
-            }
-            let lo = _mm512_castps512_ps256(acc);
-            let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc)));
-            let s8 = _mm256_add_ps(lo, hi);
-            let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
-            let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-            let s1 = _mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2));
-            _mm_cvtss_f32(s1)
+    unsafe fn reduce16(v: &[__m512; 16]) -> __m512 {
+        // Pairs: per 128-bit lane, [a0+a2, b0+b2, a1+a3, b1+b3].
+        let mut t = [_mm512_setzero_ps(); 8];
+        for i in 0..8 {
+            let (a, b) = (v[2 * i], v[2 * i + 1]);
+            t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
         }
+        // Quads: per 128-bit lane L, the sums of elements 4L..4L+3 of a, b, c, d.
+        let mut u = [_mm512_setzero_ps(); 4];
+        for i in 0..4 {
+            let (a, b) = (_mm512_castps_pd(t[2 * i]), _mm512_castps_pd(t[2 * i + 1]));
+            u[i] = _mm512_add_ps(
+                _mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)),
+            );
+        }
+        // Across the four 128-bit lanes.
+        let x01 = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(u[0], u[1]),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(u[0], u[1]),
+        );
+        let x23 = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(u[2], u[3]),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(u[2], u[3]),
+        );
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(x01, x23),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(x01, x23),
+        )
     }
 }
 
@@ -425,7 +568,7 @@ mod simd {
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn attend_one_with(
-    dot: impl Fn(&[f32], &[f32]) -> f32,
+    scores: impl Fn(&[f32], &[f32], usize, &KvLayout<'_>, &mut [f32]),
     accum: impl Fn(&mut [f32], &[f32], &[f32], usize, &KvLayout<'_>),
     q: &[f32],
     k: &[f32],
@@ -435,7 +578,6 @@ fn attend_one_with(
     scale: f32,
     out: &mut [f32],
 ) {
-    let hd = q.len();
     let mut m = f32::NEG_INFINITY;
     let mut l = 0f32;
     let mut s = [0f32; ATTN_BLOCK];
@@ -444,10 +586,8 @@ fn attend_one_with(
     while b < visible {
         let e = (b + ATTN_BLOCK).min(visible);
         let sb = &mut s[..e - b];
-        for (j, sj) in sb.iter_mut().enumerate() {
-            let row = layout.row(b + j);
-            *sj = dot(q, &k[row..row + hd]) * scale;
-        }
+        scores(q, k, b, &layout, sb);
+        sb.iter_mut().for_each(|x| *x *= scale);
         let bm = sb.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let m_new = m.max(bm);
         let c = if m == f32::NEG_INFINITY {
@@ -574,25 +714,12 @@ mod tests {
     }
 
     #[test]
-    fn simd_versions_match_baseline_bits() {
+    fn simd_versions_match_baseline() {
         let mut r = rng(13);
         let (len, hd, stride) = (150, 64, 192);
         let q: Vec<f32> = (0..hd).map(|_| r() * 3.0).collect();
         let k: Vec<f32> = (0..len * stride).map(|_| r() * 3.0).collect();
         let v: Vec<f32> = (0..len * stride).map(|_| r()).collect();
-        for n in [1, 15, 16, 17, 64, 70] {
-            let d = dot(&v[..n], &k[..n]);
-            #[cfg(target_arch = "x86_64")]
-            if Isa::detect() == Isa::Avx512 {
-                // SAFETY: AVX-512 was detected.
-                assert_eq!(
-                    d.to_bits(),
-                    unsafe { simd::dot_avx512(&v[..n], &k[..n]) }.to_bits(),
-                    "n {n}"
-                );
-            }
-            let _ = d;
-        }
         let (mut a, mut b) = (vec![0f32; hd], vec![0f32; hd]);
         attend_one(
             &q,
@@ -612,7 +739,14 @@ mod tests {
             0.125,
             &mut b,
         );
-        assert_eq!(a, b);
+        // Attention's SIMD path sums in a different order (FMA, a reduction tree across keys):
+        // equal to rounding, not to the bit. Batch invariance holds within one path.
+        let near = |a: &[f32], b: &[f32]| {
+            a.iter()
+                .zip(b)
+                .all(|(x, y)| (x - y).abs() <= 1e-5 * (1.0 + y.abs()))
+        };
+        assert!(near(&a, &b), "{a:?} vs {b:?}");
         for hd in [128, 40] {
             let q: Vec<f32> = (0..hd).map(|_| r() * 3.0).collect();
             let (mut a, mut b) = (vec![0f32; hd], vec![0f32; hd]);
@@ -634,7 +768,7 @@ mod tests {
                 0.1,
                 &mut b,
             );
-            assert_eq!(a, b, "hd {hd}");
+            assert!(near(&a, &b), "hd {hd}");
         }
         let x: Vec<f32> = (0..3 * 577).map(|_| r()).collect();
         let w: Vec<f32> = (0..577).map(|_| r()).collect();
@@ -646,6 +780,38 @@ mod tests {
         silu_mul(&mut a, &x);
         silu_mul_generic(&mut b, &x);
         assert_eq!(a, b);
+    }
+
+    /// A GQA group computed together equals each head computed alone, to the bit.
+    #[test]
+    fn group_equals_heads_alone() {
+        let mut r = rng(5);
+        for (hd, g) in [(64usize, 3usize), (64, 6), (128, 4), (40, 2)] {
+            let (len, stride) = (100usize, 2 * hd);
+            let k: Vec<f32> = (0..len * stride).map(|_| r() * 3.0).collect();
+            let v: Vec<f32> = (0..len * stride).map(|_| r()).collect();
+            let qs: Vec<f32> = (0..g * hd).map(|_| r() * 3.0).collect();
+            let layout = KvLayout::Contiguous { stride, off: hd };
+            let mut together = vec![0f32; g * hd];
+            attend_group(&qs, hd, &k, &v, 77, layout, 0.1, &mut together);
+            for h in 0..g {
+                let mut alone = vec![0f32; hd];
+                attend_one(
+                    &qs[h * hd..(h + 1) * hd],
+                    &k,
+                    &v,
+                    77,
+                    layout,
+                    0.1,
+                    &mut alone,
+                );
+                assert_eq!(
+                    &together[h * hd..(h + 1) * hd],
+                    &alone[..],
+                    "hd {hd} g {g} head {h}"
+                );
+            }
+        }
     }
 
     /// The same rows stored in scattered blocks give the same bits as stored contiguously.
