@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 use thaw_loader::{Checkpoint, LoadOptions, Manifest, Strategy, Verify};
 use thaw_runtime::convert::{convert, ConvertOptions, OutDtype};
 use thaw_runtime::fetch::{default_model, resolve_model};
+use thaw_runtime::server::state::AfterDrain;
 use thaw_runtime::server::ServeOptions;
 use thaw_runtime::{
     generate, render_chat, ChatMessage, GenerateParams, Llama, SamplingParams, TextTokenizer,
@@ -187,6 +188,38 @@ struct ServeArgs {
     /// max_tokens for requests that give none (default: up to the context).
     #[arg(long)]
     default_max_tokens: Option<usize>,
+    /// Listen at once and load on the first request (or POST /admin/prewarm).
+    #[arg(long, conflicts_with = "prewarm")]
+    lazy: bool,
+    /// Load at start (the default).
+    #[arg(long)]
+    prewarm: bool,
+    /// After this long without requests (e.g. 5m, 30s), do what --on-idle says.
+    #[arg(long, value_parser = parse_duration)]
+    idle_timeout: Option<std::time::Duration>,
+    /// park: release weights and KV cache, reload on the next request; exit: exit 0.
+    #[arg(long, default_value = "exit", value_parser = parse_after)]
+    on_idle: AfterDrain,
+    /// Bearer token for /admin/prewarm and /admin/drain (disabled without it).
+    #[arg(long, env = "THAW_ADMIN_TOKEN", hide_env_values = true)]
+    admin_token: Option<String>,
+    /// POST lifecycle events and scale hints here (JSON).
+    #[arg(long)]
+    autoscaler_webhook: Option<String>,
+    /// HMAC-SHA256 key for the webhook's x-thaw-signature header.
+    #[arg(long, env = "THAW_WEBHOOK_SECRET", hide_env_values = true)]
+    webhook_secret: Option<String>,
+    /// In-flight requests one replica should carry (for desired_replicas and scale hints).
+    #[arg(long, default_value_t = 16)]
+    target_concurrency: usize,
+}
+
+fn parse_after(s: &str) -> Result<AfterDrain, String> {
+    match s {
+        "park" => Ok(AfterDrain::Park),
+        "exit" => Ok(AfterDrain::Exit),
+        _ => Err(format!("'{s}': park or exit")),
+    }
 }
 
 fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
@@ -280,6 +313,13 @@ fn run(cli: Cli) -> Result<()> {
                 drain_timeout: a.drain_timeout,
                 max_body_bytes: a.max_body_bytes as usize,
                 default_max_tokens: a.default_max_tokens,
+                lazy: a.lazy,
+                idle_timeout: a.idle_timeout,
+                on_idle: a.on_idle,
+                admin_token: a.admin_token.clone().filter(|k| !k.is_empty()),
+                webhook_url: a.autoscaler_webhook.clone(),
+                webhook_secret: a.webhook_secret.clone(),
+                target_concurrency: a.target_concurrency,
                 load: a.load.options(),
             })?;
         }

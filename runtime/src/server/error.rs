@@ -50,6 +50,14 @@ impl ApiError {
             "a valid API key is required: send 'Authorization: Bearer <key>'".into(),
         )
     }
+    pub fn forbidden(msg: &str) -> ApiError {
+        ApiError::new(
+            StatusCode::FORBIDDEN,
+            "permission_error",
+            "forbidden",
+            msg.into(),
+        )
+    }
     pub fn model_not_found(name: &str, served: &str) -> ApiError {
         ApiError::new(
             StatusCode::NOT_FOUND,

@@ -33,6 +33,9 @@ pub const FAILURE: &str = "thaw_request_failure_total";
 pub const LOAD_SECONDS: &str = "thaw_model_load_seconds";
 pub const LOAD_BYTES: &str = "thaw_model_load_bytes";
 pub const STATE: &str = "thaw_state";
+pub const COLD_START_PHASE: &str = "thaw_cold_start_phase_seconds";
+pub const WEBHOOK_FAILURES: &str = "thaw_webhook_failures_total";
+pub const WEBHOOK_EVENTS: &str = "thaw_webhook_events_total";
 
 /// Lifecycle states, as the `state` label of [`STATE`].
 pub const STATES: [&str; 5] = ["cold", "loading", "ready", "draining", "parked"];
@@ -59,6 +62,12 @@ pub struct Metrics {
     pub load_seconds: Gauge,
     pub load_bytes: IntGauge,
     state: GaugeVec,
+    /// Seconds of each phase of the last cold start.
+    pub cold_start_phase: GaugeVec,
+    /// Failed webhook delivery attempts.
+    pub webhook_failures: IntCounter,
+    /// Webhook events by outcome: delivered, dropped (after every retry failed).
+    pub webhook_events: IntCounterVec,
     /// Serializes the engine-counter catch-up of concurrent scrapes.
     sync: Mutex<()>,
 }
@@ -148,6 +157,21 @@ impl Metrics {
                 &["state"],
             )
             .expect("gauge vec"),
+            cold_start_phase: GaugeVec::new(
+                Opts::new(COLD_START_PHASE, "Seconds of each phase of the last cold start."),
+                &["phase"],
+            )
+            .expect("gauge vec"),
+            webhook_failures: IntCounter::new(
+                WEBHOOK_FAILURES,
+                "Failed autoscaler-webhook delivery attempts.",
+            )
+            .expect("counter"),
+            webhook_events: IntCounterVec::new(
+                Opts::new(WEBHOOK_EVENTS, "Autoscaler-webhook events, by outcome."),
+                &["outcome"],
+            )
+            .expect("counter vec"),
             sync: Mutex::new(()),
         };
         let r = &m.registry;
@@ -170,6 +194,9 @@ impl Metrics {
             Box::new(m.load_seconds.clone()),
             Box::new(m.load_bytes.clone()),
             Box::new(m.state.clone()),
+            Box::new(m.cold_start_phase.clone()),
+            Box::new(m.webhook_failures.clone()),
+            Box::new(m.webhook_events.clone()),
         ];
         for c in all {
             r.register(c).expect("metric names are unique");

@@ -12,12 +12,15 @@
 //!   `--drain-timeout`), then the process exits 0 — what Kubernetes and Knative expect.
 //! * Errors are OpenAI-shaped ([`error::ApiError`]); metrics are defined in [`metrics`] only.
 
+pub mod admin;
 pub mod api;
 pub mod error;
 pub mod metrics;
 pub mod routes;
 pub mod run;
 pub mod state;
+pub mod telemetry;
+pub mod webhook;
 
 use std::future::IntoFuture;
 use std::net::SocketAddr;
@@ -35,7 +38,8 @@ use crate::engine::{Engine, EngineConfig, Request};
 use crate::sampling::SamplingParams;
 use crate::{Llama, RuntimeError, TextTokenizer};
 use metrics::METRICS;
-use state::{App, State, Worker};
+use state::{AfterDrain, App, State, Worker};
+use telemetry::ColdStart;
 
 /// The body limit in force (for the 413 message).
 pub(crate) static MAX_BODY_BYTES: AtomicU64 = AtomicU64::new(0);
@@ -67,18 +71,53 @@ pub struct ServeOptions {
     /// max_tokens for requests that give none (None: up to the context).
     pub default_max_tokens: Option<usize>,
     pub load: LoadOptions,
+    /// Listen first, load on the first request (or /admin/prewarm).
+    pub lazy: bool,
+    /// Park or exit after this long without requests.
+    pub idle_timeout: Option<Duration>,
+    pub on_idle: AfterDrain,
+    /// Bearer token for /admin/*; without it those routes are refused.
+    pub admin_token: Option<String>,
+    pub webhook_url: Option<String>,
+    pub webhook_secret: Option<String>,
+    /// In-flight requests one replica should carry (autoscaler hints).
+    pub target_concurrency: usize,
 }
 
-fn load_worker(o: &ServeOptions) -> Result<Worker, RuntimeError> {
+fn load_worker(o: &ServeOptions) -> Result<(Worker, ColdStart), RuntimeError> {
+    let mut cs = ColdStart::new();
+    let t = Instant::now();
+    let _ = thaw_kernels::ThreadPool::global();
+    cs.push("device_init", t.elapsed().as_secs_f64());
     let t0 = Instant::now();
-    let model = Arc::new(Llama::load_with(&o.model_dir, &o.load)?);
+    // The tokenizer (tens of ms of JSON parsing and vocabulary building) loads on its own thread
+    // while the weights stream in: the two share nothing, and the load is mostly waiting on I/O.
+    let (model, tok) = std::thread::scope(|sc| {
+        let tok = sc.spawn(|| {
+            let t = Instant::now();
+            TextTokenizer::load(&o.model_dir).map(|tk| (tk, t.elapsed().as_secs_f64()))
+        });
+        let model = Llama::load_with(&o.model_dir, &o.load);
+        let tok = tok
+            .join()
+            .unwrap_or_else(|_| Err(RuntimeError::Tokenizer("the tokenizer thread panicked".into())));
+        (model, tok)
+    });
+    let model = Arc::new(model?);
+    let (tok, tok_s) = tok?;
+    let st = model.load_stats().clone();
+    cs.push("plan", st.plan_s);
+    cs.push("read", st.io_s);
+    cs.push("copy", 0.0);
+    cs.push("verify", st.verify_s);
     if let Some(reason) = &model.load_stats().fallback {
         log(format_args!(
             "note: loaded with {} instead: {reason}",
             model.load_stats().strategy
         ));
     }
-    let tok = TextTokenizer::load(&o.model_dir)?;
+    // Overlapped with plan/read/verify: not on the critical path unless it is the longest.
+    cs.push("tokenizer", tok_s);
     let load_s = t0.elapsed().as_secs_f64();
     let mut cfg = EngineConfig::with_kv_bytes(&model, o.kv_cache_bytes);
     cfg.max_batch_tokens = o.max_batch_tokens.max(1);
@@ -102,11 +141,11 @@ fn load_worker(o: &ServeOptions) -> Result<Worker, RuntimeError> {
     if let crate::engine::Event::Error(e) = end {
         return Err(RuntimeError::Request(format!("warmup failed: {e}")));
     }
+    cs.push("warmup", t1.elapsed().as_secs_f64());
     let max_seq = model
         .cfg
         .max_position_embeddings
         .min(engine.max_tokens_per_request());
-    let st = model.load_stats();
     METRICS.load_seconds.set(load_s);
     METRICS.load_bytes.set(st.bytes as i64);
     log(format_args!(
@@ -119,15 +158,18 @@ fn load_worker(o: &ServeOptions) -> Result<Worker, RuntimeError> {
         engine.config().num_blocks,
         engine.config().block_size,
     ));
-    Ok(Worker {
-        model,
-        tok,
-        engine,
-        eos,
-        max_seq,
-        default_max_tokens: o.default_max_tokens,
-        load_s,
-    })
+    Ok((
+        Worker {
+            model,
+            tok,
+            engine,
+            eos,
+            max_seq,
+            default_max_tokens: o.default_max_tokens,
+            load_s,
+        },
+        cs,
+    ))
 }
 
 pub fn router(app: Arc<App>, max_body_bytes: usize) -> Router {
@@ -140,6 +182,9 @@ pub fn router(app: Arc<App>, max_body_bytes: usize) -> Router {
         .route("/health", get(routes::health))
         .route("/ready", get(routes::ready))
         .route("/metrics", get(routes::metrics))
+        .route("/admin/prewarm", post(admin::prewarm))
+        .route("/admin/drain", post(admin::drain))
+        .route("/autoscaler/metrics", get(admin::autoscaler_metrics))
         .fallback(routes::not_found)
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .with_state(app)
@@ -164,6 +209,7 @@ async fn termination() {
 /// load or the port cannot be bound.
 pub fn serve(o: ServeOptions) -> Result<(), RuntimeError> {
     START.get_or_init(Instant::now);
+    telemetry::mark_entry();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("thaw-http")
@@ -182,52 +228,42 @@ async fn serve_async(o: ServeOptions) -> Result<(), RuntimeError> {
     let addr: SocketAddr = listener
         .local_addr()
         .map_err(|e| RuntimeError::Serve(e.to_string()))?;
+    telemetry::mark_listening();
     let served = o.served_name.clone().unwrap_or_else(|| {
         o.model_dir
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| o.model_arg.clone())
     });
-    let app = Arc::new(App::new(
-        served.clone(),
-        o.model_arg.clone(),
-        o.api_key.clone(),
-        o.max_running + o.max_waiting,
-    ));
+    let webhook = o
+        .webhook_url
+        .clone()
+        .map(|u| webhook::Webhook::start(u, o.webhook_secret.clone(), addr.to_string()));
+    let app = Arc::new(App::new(o.clone(), served.clone(), webhook));
     log(format_args!(
-        "listening on http://{addr} (model '{served}')"
+        "listening on http://{addr} (model '{served}'{})",
+        if o.lazy { ", lazy" } else { "" }
     ));
-    app.set_state(State::Loading);
-    let opts = o.clone();
-    let mut load = tokio::task::spawn_blocking(move || load_worker(&opts));
-    let mut loaded = false;
+    if !o.lazy {
+        app.prewarm();
+    }
+    tokio::spawn(admin::monitor(app.clone()));
 
-    let (drained_tx, drained_rx) = tokio::sync::oneshot::channel::<()>();
+    // SIGTERM/SIGINT → drain → exit; idle exit and `/admin/drain` (exit) also end here.
     let drain_app = app.clone();
-    let drain_timeout = o.drain_timeout;
-    let shutdown = async move {
+    tokio::spawn(async move {
         termination().await;
-        drain_app.set_state(State::Draining);
-        log(format_args!(
-            "draining: {} request(s) in flight, up to {:?}",
-            drain_app.inflight(),
-            drain_timeout
-        ));
-        if tokio::time::timeout(drain_timeout, drain_app.idle())
-            .await
-            .is_err()
-        {
-            log(format_args!(
-                "drain timeout: {} request(s) still in flight are cut off",
-                drain_app.inflight()
-            ));
-        }
+        drain_app.drain(AfterDrain::Exit).await;
+    });
+    let (drained_tx, drained_rx) = tokio::sync::oneshot::channel::<()>();
+    let exit_app = app.clone();
+    let shutdown = async move {
+        exit_app.exit_requested().await;
         let _ = drained_tx.send(());
     };
     let server = axum::serve(listener, router(app.clone(), o.max_body_bytes))
         .with_graceful_shutdown(shutdown)
         .into_future();
-    tokio::pin!(server);
     // After the drain, connections still open get a moment to close, then we leave anyway.
     let hard_stop = async move {
         if drained_rx.await.is_ok() {
@@ -236,29 +272,13 @@ async fn serve_async(o: ServeOptions) -> Result<(), RuntimeError> {
             std::future::pending::<()>().await;
         }
     };
-    tokio::pin!(hard_stop);
-    loop {
-        tokio::select! {
-            r = &mut server => {
-                r.map_err(|e| RuntimeError::Serve(e.to_string()))?;
-                break;
-            }
-            _ = &mut hard_stop => break,
-            l = &mut load, if !loaded => {
-                loaded = true;
-                match l {
-                    Ok(Ok(w)) => app.set_ready(Arc::new(w)),
-                    Ok(Err(e)) => {
-                        app.set_state(State::Failed);
-                        return Err(e);
-                    }
-                    Err(e) => {
-                        app.set_state(State::Failed);
-                        return Err(RuntimeError::Serve(format!("the load task failed: {e}")));
-                    }
-                }
-            }
-        }
+    tokio::select! {
+        r = server => r.map_err(|e| RuntimeError::Serve(e.to_string()))?,
+        _ = hard_stop => {}
+    }
+    if app.state() == State::Failed {
+        let e = app.failure.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        return Err(RuntimeError::Serve(e.unwrap_or_else(|| "the model failed to load".into())));
     }
     log(format_args!("drained; exiting"));
     Ok(())

@@ -97,7 +97,7 @@ async fn start(
 ) -> Result<(Run, Option<f64>), ApiError> {
     p.check_supported()?;
     if let Some(m) = &p.model {
-        if m != &app.served_name && m != &app.model_arg {
+        if m != &app.served_name && m != &app.opts.model_arg {
             return Err(ApiError::model_not_found(m, &app.served_name));
         }
     }
@@ -140,6 +140,25 @@ async fn start(
         p.ignore_eos.unwrap_or(false),
     )?;
     Ok((Run::start(w, spec, arrival, slot), waited))
+}
+
+/// Headers that tell a client its request waited for a cold start (and how long).
+fn cold_headers(resp: &mut Response, run_queue_s: Option<f64>, waited: Option<f64>) {
+    let h = resp.headers_mut();
+    h.insert(
+        "x-thaw-cold-start",
+        HeaderValue::from_static(if waited.is_some() { "true" } else { "false" }),
+    );
+    if let Some(q) = run_queue_s {
+        if let Ok(v) = HeaderValue::from_str(&format!("{:.1}", q * 1e3)) {
+            h.insert("x-thaw-queue-ms", v);
+        }
+    }
+    if let Some(l) = waited {
+        if let Ok(v) = HeaderValue::from_str(&format!("{:.1}", l * 1e3)) {
+            h.insert("x-thaw-load-ms", v);
+        }
+    }
 }
 
 /// Drives a run to its end: the whole text, the reason and usage.
@@ -284,14 +303,16 @@ pub async fn chat_completions(State(app): AppState, headers: HeaderMap, body: Bo
     let r = async {
         check_auth(&app, &headers)?;
         let req: ChatRequest = parse(&body_bytes(body)?)?;
-        let (mut run, _) = start(&app, arrival, Input::Chat(req.messages), &req.params).await?;
+        let (mut run, waited) =
+            start(&app, arrival, Input::Chat(req.messages), &req.params).await?;
         let model = app.served_name.clone();
         if req.params.stream() {
-            return Ok(sse(run, Kind::Chat, model, req.params.include_usage()).into_response());
+            let mut r = sse(run, Kind::Chat, model, req.params.include_usage()).into_response();
+            cold_headers(&mut r, None, waited);
+            return Ok(r);
         }
         let (text, reason, usage) = run_to_end(&mut run).await?;
-        Ok::<_, ApiError>(
-            Json(json!({
+        let mut r = Json(json!({
                 "id": request_id("chatcmpl"),
                 "object": "chat.completion",
                 "created": unix_now(),
@@ -304,8 +325,9 @@ pub async fn chat_completions(State(app): AppState, headers: HeaderMap, body: Bo
                 }],
                 "usage": usage.json(),
             }))
-            .into_response(),
-        )
+            .into_response();
+        cold_headers(&mut r, run.queue_s, waited);
+        Ok::<_, ApiError>(r)
     }
     .await;
     r.unwrap_or_else(IntoResponse::into_response)
@@ -316,16 +338,17 @@ pub async fn completions(State(app): AppState, headers: HeaderMap, body: Body) -
     let r = async {
         check_auth(&app, &headers)?;
         let req: CompletionRequest = parse(&body_bytes(body)?)?;
-        let (mut run, _) = start(&app, arrival, Input::Prompt(req.prompt), &req.params).await?;
+        let (mut run, waited) =
+            start(&app, arrival, Input::Prompt(req.prompt), &req.params).await?;
         let model = app.served_name.clone();
         if req.params.stream() {
-            return Ok(
-                sse(run, Kind::Completion, model, req.params.include_usage()).into_response(),
-            );
+            let mut r =
+                sse(run, Kind::Completion, model, req.params.include_usage()).into_response();
+            cold_headers(&mut r, None, waited);
+            return Ok(r);
         }
         let (text, reason, usage) = run_to_end(&mut run).await?;
-        Ok::<_, ApiError>(
-            Json(json!({
+        let mut r = Json(json!({
                 "id": request_id("cmpl"),
                 "object": "text_completion",
                 "created": unix_now(),
@@ -338,8 +361,9 @@ pub async fn completions(State(app): AppState, headers: HeaderMap, body: Body) -
                 }],
                 "usage": usage.json(),
             }))
-            .into_response(),
-        )
+            .into_response();
+        cold_headers(&mut r, run.queue_s, waited);
+        Ok::<_, ApiError>(r)
     }
     .await;
     r.unwrap_or_else(IntoResponse::into_response)
@@ -374,6 +398,15 @@ pub async fn invoke(State(app): AppState, headers: HeaderMap, body: Body) -> Res
         let queue_ms = ms(run.queue_s.unwrap_or(0.0));
         let total_ms = ms(run.arrival.elapsed().as_secs_f64());
         let load_ms = waited.map(ms);
+        let phases = if waited.is_some() {
+            app.cold_start
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .as_ref()
+                .map(|c| c.json())
+        } else {
+            None
+        };
         let mut resp = Json(json!({
             "id": request_id("inv"),
             "model": app.served_name,
@@ -387,23 +420,10 @@ pub async fn invoke(State(app): AppState, headers: HeaderMap, body: Body) -> Res
                 "total_ms": total_ms,
             },
             "cold_start": waited.is_some(),
+            "cold_start_phases": phases,
         }))
         .into_response();
-        let h = resp.headers_mut();
-        h.insert(
-            "x-thaw-cold-start",
-            HeaderValue::from_static(if waited.is_some() { "true" } else { "false" }),
-        );
-        h.insert(
-            "x-thaw-queue-ms",
-            HeaderValue::from_str(&queue_ms.to_string()).expect("ascii"),
-        );
-        if let Some(l) = load_ms {
-            h.insert(
-                "x-thaw-load-ms",
-                HeaderValue::from_str(&l.to_string()).expect("ascii"),
-            );
-        }
+        cold_headers(&mut resp, run.queue_s, waited);
         Ok(resp)
     }
     .await;

@@ -188,7 +188,10 @@ impl Run {
                 Some(Event::Token(id)) => {
                     let now = Instant::now();
                     match self.last {
-                        None => METRICS.ttft.observe((now - self.arrival).as_secs_f64()),
+                        None => {
+                            METRICS.ttft.observe((now - self.arrival).as_secs_f64());
+                            self._slot.app().first_token_seen();
+                        }
                         Some(prev) => METRICS.itl.observe((now - prev).as_secs_f64()),
                     }
                     self.first.get_or_insert(now);

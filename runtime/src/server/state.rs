@@ -1,15 +1,22 @@
 //! The worker's lifecycle and admission control.
 //!
-//! One state machine (`cold → loading → ready → draining`, `parked` arrives with the idle
-//! handling) held in a `watch` channel: handlers read it without locks, requests that arrive
-//! while the model loads wait on it, and every change is logged and mirrored in `thaw_state`.
+//! One state machine — `cold → loading → ready ⇄ parked`, `draining`, (`failed`) — held in a
+//! `watch` channel: handlers read it without locks, requests that arrive while the model is cold,
+//! loading or parked wait on it (and trigger the load if nobody has), and every change is logged,
+//! mirrored in `thaw_state` and sent to the autoscaler webhook.
 //!
 //! Admission is a counter of requests in flight, not a queue of our own: the engine already
 //! queues; the server only bounds how many it hands over (`max_running + max_waiting`, beyond
 //! that a 429), so a burst cannot grow memory without limit.
+//!
+//! Idle transitions (park, exit) race with arriving requests. Both sides use the same
+//! two-step handshake with sequentially consistent atomics: a request first counts itself in
+//! flight, then reads the state; the idle timer first publishes the new state, then reads the
+//! count. Either the request sees `draining` (and gets a 503) or the timer sees it in flight
+//! (and backs off) — a request is never admitted and then dropped.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use tokio::sync::{watch, Notify};
@@ -17,6 +24,9 @@ use tokio::sync::{watch, Notify};
 use super::error::ApiError;
 use super::log;
 use super::metrics::METRICS;
+use super::telemetry::ColdStart;
+use super::webhook::Webhook;
+use super::ServeOptions;
 use crate::engine::Engine;
 use crate::{Llama, TextTokenizer};
 
@@ -26,7 +36,9 @@ pub enum State {
     Loading,
     Ready,
     Draining,
-    /// Loading failed; the process is about to exit.
+    /// Weights and KV cache released; the page cache keeps the checkpoint warm for a fast return.
+    Parked,
+    /// Loading failed; the process exits.
     Failed,
 }
 
@@ -37,6 +49,7 @@ impl State {
             State::Loading => "loading",
             State::Ready => "ready",
             State::Draining => "draining",
+            State::Parked => "parked",
             State::Failed => "failed",
         }
     }
@@ -56,18 +69,33 @@ pub struct Worker {
     pub load_s: f64,
 }
 
+/// What happens once a drain has finished.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AfterDrain {
+    Park,
+    Exit,
+}
+
 pub struct App {
+    pub opts: ServeOptions,
     pub served_name: String,
-    /// The `--model` argument, accepted as a model name too.
-    pub model_arg: String,
-    pub api_key: Option<String>,
     pub capacity: usize,
     pub started: Instant,
     state: watch::Sender<State>,
-    worker: OnceLock<Arc<Worker>>,
+    worker: Mutex<Option<Arc<Worker>>>,
     inflight: AtomicUsize,
+    /// Milliseconds since `started` when the last request left or arrived.
+    last_active_ms: AtomicU64,
     /// Signalled whenever a request leaves (drain waits on it).
     left: Notify,
+    /// Set when the process should shut down (idle exit, drain → exit, signal).
+    exit: watch::Sender<bool>,
+    /// The load error, when state is Failed.
+    pub failure: Mutex<Option<String>>,
+    /// The last cold start's phases; `first_token` is filled by the first request after it.
+    pub cold_start: Mutex<Option<ColdStart>>,
+    first_token_pending: AtomicBool,
+    pub webhook: Option<Webhook>,
 }
 
 /// One admitted request; dropping it gives its slot back.
@@ -75,31 +103,38 @@ pub struct Admission {
     app: Arc<App>,
 }
 
+impl Admission {
+    pub fn app(&self) -> &Arc<App> {
+        &self.app
+    }
+}
+
 impl Drop for Admission {
     fn drop(&mut self) {
-        self.app.inflight.fetch_sub(1, Ordering::AcqRel);
+        self.app.touch();
+        self.app.inflight.fetch_sub(1, SeqCst);
         self.app.left.notify_waiters();
     }
 }
 
 impl App {
-    pub fn new(
-        served_name: String,
-        model_arg: String,
-        api_key: Option<String>,
-        capacity: usize,
-    ) -> App {
+    pub fn new(opts: ServeOptions, served_name: String, webhook: Option<Webhook>) -> App {
         METRICS.set_state(State::Cold.as_str());
         App {
+            capacity: opts.max_running + opts.max_waiting,
+            opts,
             served_name,
-            model_arg,
-            api_key,
-            capacity,
             started: Instant::now(),
             state: watch::channel(State::Cold).0,
-            worker: OnceLock::new(),
+            worker: Mutex::new(None),
             inflight: AtomicUsize::new(0),
+            last_active_ms: AtomicU64::new(0),
             left: Notify::new(),
+            exit: watch::channel(false).0,
+            failure: Mutex::new(None),
+            cold_start: Mutex::new(None),
+            first_token_pending: AtomicBool::new(false),
+            webhook,
         }
     }
 
@@ -107,62 +142,142 @@ impl App {
         *self.state.borrow()
     }
 
+    pub fn subscribe(&self) -> watch::Receiver<State> {
+        self.state.subscribe()
+    }
+
     pub fn set_state(&self, s: State) {
         let old = self.state.send_replace(s);
         if old != s {
             METRICS.set_state(s.as_str());
             log(format_args!("state {} -> {}", old.as_str(), s.as_str()));
+            if let Some(w) = &self.webhook {
+                w.send_state(old.as_str(), s.as_str(), self.inflight());
+            }
         }
     }
 
-    /// Installs the loaded worker and opens for traffic.
-    pub fn set_ready(&self, w: Arc<Worker>) {
-        let _ = self.worker.set(w);
-        if self.state() == State::Loading || self.state() == State::Cold {
-            self.set_state(State::Ready);
-        }
+    fn touch(&self) {
+        self.last_active_ms
+            .store(self.started.elapsed().as_millis() as u64, SeqCst);
     }
 
-    pub fn loaded(&self) -> Option<&Arc<Worker>> {
-        self.worker.get()
+    /// Seconds since the last request arrived or left.
+    pub fn idle_for(&self) -> f64 {
+        let now = self.started.elapsed().as_millis() as u64;
+        now.saturating_sub(self.last_active_ms.load(SeqCst)) as f64 / 1e3
+    }
+
+    pub fn loaded(&self) -> Option<Arc<Worker>> {
+        self.worker.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     pub fn inflight(&self) -> usize {
-        self.inflight.load(Ordering::Acquire)
+        self.inflight.load(SeqCst)
     }
 
     /// Takes a slot for a new request: 503 while draining, 429 when full.
     pub fn admit(self: &Arc<Self>) -> Result<Admission, ApiError> {
+        // Count first, then look at the state (see the module docs).
+        let n = self.inflight.fetch_add(1, SeqCst);
+        let a = Admission { app: self.clone() };
+        self.touch();
         match self.state() {
             State::Draining => return Err(ApiError::unavailable("the worker is draining")),
             State::Failed => return Err(ApiError::unavailable("the model failed to load")),
             _ => {}
         }
-        let n = self.inflight.fetch_add(1, Ordering::AcqRel);
-        let a = Admission { app: self.clone() };
         if n >= self.capacity {
             return Err(ApiError::overloaded(self.capacity));
         }
         Ok(a)
     }
 
-    /// The loaded worker, waiting for the load if it is still running. Also returns how long
-    /// this call waited (the request's share of a cold start).
-    pub async fn worker(&self) -> Result<(Arc<Worker>, Option<f64>), ApiError> {
-        if let Some(w) = self.worker.get() {
-            return Ok((w.clone(), None));
+    /// Starts loading if the model is cold or parked (idempotent: a load in progress or a loaded
+    /// model is left alone). Returns the state after the call.
+    pub fn prewarm(self: &Arc<Self>) -> State {
+        let mut started = false;
+        let mut from = State::Cold;
+        self.state.send_if_modified(|s| {
+            if matches!(s, State::Cold | State::Parked) {
+                from = *s;
+                *s = State::Loading;
+                started = true;
+                true
+            } else {
+                false
+            }
+        });
+        if started {
+            METRICS.set_state(State::Loading.as_str());
+            log(format_args!("state {} -> loading", from.as_str()));
+            if let Some(w) = &self.webhook {
+                w.send_state(from.as_str(), "loading", self.inflight());
+            }
+            let app = self.clone();
+            tokio::spawn(async move {
+                let opts = app.opts.clone();
+                let t = Instant::now();
+                let r = tokio::task::spawn_blocking(move || super::load_worker(&opts)).await;
+                match r {
+                    Ok(Ok((w, mut cs))) => {
+                        cs.set_total(t.elapsed().as_secs_f64());
+                        log(format_args!("cold start: {}", cs.summary()));
+                        cs.publish();
+                        *app.cold_start.lock().unwrap_or_else(|e| e.into_inner()) = Some(cs);
+                        app.first_token_pending.store(true, SeqCst);
+                        *app.worker.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(w));
+                        app.set_state(State::Ready);
+                    }
+                    Ok(Err(e)) => app.fail(e.to_string()),
+                    Err(e) => app.fail(format!("the load task failed: {e}")),
+                }
+            });
+        }
+        self.state()
+    }
+
+    fn fail(&self, e: String) {
+        log(format_args!("error: loading the model failed: {e}"));
+        *self.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+        self.set_state(State::Failed);
+        self.request_exit();
+    }
+
+    /// The loaded worker, loading it first if needed. Also returns how long this call waited
+    /// (the request's share of a cold start).
+    pub async fn worker(self: &Arc<Self>) -> Result<(Arc<Worker>, Option<f64>), ApiError> {
+        if self.state() == State::Ready {
+            if let Some(w) = self.loaded() {
+                return Ok((w, None));
+            }
         }
         let t = Instant::now();
         let mut rx = self.state.subscribe();
+        self.prewarm();
         let _ = rx
-            .wait_for(|s| !matches!(s, State::Cold | State::Loading))
+            .wait_for(|s| !matches!(s, State::Cold | State::Loading | State::Parked))
             .await;
-        match self.worker.get() {
-            Some(w) => Ok((w.clone(), Some(t.elapsed().as_secs_f64()))),
-            None => Err(ApiError::unavailable(format!(
-                "the worker is {}",
-                self.state().as_str()
-            ))),
+        match (self.state(), self.loaded()) {
+            (State::Ready | State::Draining, Some(w)) => Ok((w, Some(t.elapsed().as_secs_f64()))),
+            (s, _) => Err(ApiError::unavailable(format!("the worker is {}", s.as_str()))),
+        }
+    }
+
+    /// Called when a request produced its first token: completes the `first_token` phase of
+    /// the cold start that preceded it.
+    pub fn first_token_seen(&self) {
+        if self.first_token_pending.swap(false, SeqCst) {
+            if let Some(cs) = self
+                .cold_start
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .as_mut()
+            {
+                cs.first_token_now();
+                cs.publish();
+                log(format_args!("cold start, first token: {}", cs.summary()));
+            }
         }
     }
 
@@ -177,9 +292,96 @@ impl App {
         }
     }
 
-    /// Constant-time check of a presented key against the configured one.
-    pub fn authorized(&self, presented: Option<&str>) -> bool {
-        let Some(want) = &self.api_key else {
+    /// Moves Ready → `to` only if no request is in flight (the handshake in the module docs).
+    fn leave_ready(&self, to: State) -> bool {
+        let mut moved = false;
+        self.state.send_if_modified(|s| {
+            if *s == State::Ready {
+                *s = to;
+                moved = true;
+                true
+            } else {
+                false
+            }
+        });
+        if !moved {
+            return false;
+        }
+        if self.inflight() > 0 {
+            self.state.send_replace(State::Ready);
+            return false;
+        }
+        METRICS.set_state(to.as_str());
+        log(format_args!("state ready -> {} (idle)", to.as_str()));
+        if let Some(w) = &self.webhook {
+            w.send_state("ready", to.as_str(), 0);
+        }
+        true
+    }
+
+    /// Releases the weights and the KV cache if idle; the next request reloads them.
+    pub fn park_if_idle(&self) -> bool {
+        if !self.leave_ready(State::Parked) {
+            return false;
+        }
+        self.release();
+        true
+    }
+
+    fn release(&self) {
+        // Requests still holding the worker keep it alive; it is freed when the last one ends.
+        let w = self.worker.lock().unwrap_or_else(|e| e.into_inner()).take();
+        drop(w);
+    }
+
+    /// Exits (scale to zero) if idle.
+    pub fn exit_if_idle(&self) -> bool {
+        if !self.leave_ready(State::Draining) {
+            return false;
+        }
+        self.request_exit();
+        true
+    }
+
+    /// Stops admitting, waits for in-flight requests (up to the drain timeout), then parks or
+    /// exits.
+    pub async fn drain(self: &Arc<Self>, then: AfterDrain) {
+        self.set_state(State::Draining);
+        log(format_args!(
+            "draining: {} request(s) in flight, up to {:?}",
+            self.inflight(),
+            self.opts.drain_timeout
+        ));
+        if tokio::time::timeout(self.opts.drain_timeout, self.idle())
+            .await
+            .is_err()
+        {
+            log(format_args!(
+                "drain timeout: {} request(s) still in flight are cut off",
+                self.inflight()
+            ));
+        }
+        match then {
+            AfterDrain::Exit => self.request_exit(),
+            AfterDrain::Park => {
+                self.release();
+                self.set_state(State::Parked);
+            }
+        }
+    }
+
+    pub fn request_exit(&self) {
+        self.exit.send_replace(true);
+    }
+
+    pub async fn exit_requested(&self) {
+        let mut rx = self.exit.subscribe();
+        let _ = rx.wait_for(|e| *e).await;
+    }
+
+    /// Constant-time check of a presented key against `want`.
+    pub fn key_matches(want: Option<&str>, presented: Option<&str>) -> bool {
+        let Some(want) = want else {
             return true;
         };
         let Some(got) = presented else {
@@ -189,9 +391,13 @@ impl App {
         // (the length is not secret).
         let (a, b) = (want.as_bytes(), got.as_bytes());
         let mut diff = a.len() ^ b.len();
-        for i in 0..a.len() {
-            diff |= (a[i] ^ b.get(i).copied().unwrap_or(0)) as usize;
+        for (i, &x) in a.iter().enumerate() {
+            diff |= (x ^ b.get(i).copied().unwrap_or(0)) as usize;
         }
         diff == 0
+    }
+
+    pub fn authorized(&self, presented: Option<&str>) -> bool {
+        App::key_matches(self.opts.api_key.as_deref(), presented)
     }
 }
