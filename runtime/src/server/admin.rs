@@ -69,7 +69,11 @@ pub async fn drain(
     };
     let a = app.clone();
     tokio::spawn(async move { a.drain(then).await });
-    let then_s = if then == AfterDrain::Park { "park" } else { "exit" };
+    let then_s = if then == AfterDrain::Park {
+        "park"
+    } else {
+        "exit"
+    };
     (
         StatusCode::ACCEPTED,
         Json(json!({"state": "draining", "inflight": app.inflight(), "then": then_s})),
@@ -132,8 +136,10 @@ pub async fn monitor(app: Arc<App>) {
             let since = *above_since.get_or_insert_with(Instant::now);
             let recent = last_up.is_some_and(|t| t.elapsed() < Duration::from_secs(10));
             if since.elapsed() >= Duration::from_secs(2) && !recent {
-                hook.send(json!({"event": "scale_up", "inflight": inflight, "target_concurrency": target,
-                                 "desired_replicas": desired_replicas(&app)}));
+                hook.send(
+                    json!({"event": "scale_up", "inflight": inflight, "target_concurrency": target,
+                                 "desired_replicas": desired_replicas(&app)}),
+                );
                 last_up = Some(Instant::now());
             }
         } else {
@@ -146,8 +152,10 @@ pub async fn monitor(app: Arc<App>) {
             .unwrap_or(30.0);
         if inflight == 0 && app.idle_for() >= idle_hint {
             if !down_sent && app.state() == Life::Ready {
-                hook.send(json!({"event": "scale_down", "idle_seconds": app.idle_for(),
-                                 "desired_replicas": 0}));
+                hook.send(
+                    json!({"event": "scale_down", "idle_seconds": app.idle_for(),
+                                 "desired_replicas": 0}),
+                );
                 down_sent = true;
             }
         } else if inflight > 0 {

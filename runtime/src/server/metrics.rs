@@ -158,7 +158,10 @@ impl Metrics {
             )
             .expect("gauge vec"),
             cold_start_phase: GaugeVec::new(
-                Opts::new(COLD_START_PHASE, "Seconds of each phase of the last cold start."),
+                Opts::new(
+                    COLD_START_PHASE,
+                    "Seconds of each phase of the last cold start.",
+                ),
                 &["phase"],
             )
             .expect("gauge vec"),

@@ -98,9 +98,11 @@ fn load_worker(o: &ServeOptions) -> Result<(Worker, ColdStart), RuntimeError> {
             TextTokenizer::load(&o.model_dir).map(|tk| (tk, t.elapsed().as_secs_f64()))
         });
         let model = Llama::load_with(&o.model_dir, &o.load);
-        let tok = tok
-            .join()
-            .unwrap_or_else(|_| Err(RuntimeError::Tokenizer("the tokenizer thread panicked".into())));
+        let tok = tok.join().unwrap_or_else(|_| {
+            Err(RuntimeError::Tokenizer(
+                "the tokenizer thread panicked".into(),
+            ))
+        });
         (model, tok)
     });
     let model = Arc::new(model?);
@@ -277,8 +279,14 @@ async fn serve_async(o: ServeOptions) -> Result<(), RuntimeError> {
         _ = hard_stop => {}
     }
     if app.state() == State::Failed {
-        let e = app.failure.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        return Err(RuntimeError::Serve(e.unwrap_or_else(|| "the model failed to load".into())));
+        let e = app
+            .failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        return Err(RuntimeError::Serve(
+            e.unwrap_or_else(|| "the model failed to load".into()),
+        ));
     }
     log(format_args!("drained; exiting"));
     Ok(())

@@ -313,19 +313,19 @@ pub async fn chat_completions(State(app): AppState, headers: HeaderMap, body: Bo
         }
         let (text, reason, usage) = run_to_end(&mut run).await?;
         let mut r = Json(json!({
-                "id": request_id("chatcmpl"),
-                "object": "chat.completion",
-                "created": unix_now(),
-                "model": model,
-                "choices": [{
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": null,
-                    "finish_reason": finish_str(reason),
-                }],
-                "usage": usage.json(),
-            }))
-            .into_response();
+            "id": request_id("chatcmpl"),
+            "object": "chat.completion",
+            "created": unix_now(),
+            "model": model,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": null,
+                "finish_reason": finish_str(reason),
+            }],
+            "usage": usage.json(),
+        }))
+        .into_response();
         cold_headers(&mut r, run.queue_s, waited);
         Ok::<_, ApiError>(r)
     }
@@ -349,19 +349,19 @@ pub async fn completions(State(app): AppState, headers: HeaderMap, body: Body) -
         }
         let (text, reason, usage) = run_to_end(&mut run).await?;
         let mut r = Json(json!({
-                "id": request_id("cmpl"),
-                "object": "text_completion",
-                "created": unix_now(),
-                "model": model,
-                "choices": [{
-                    "index": 0,
-                    "text": text,
-                    "logprobs": null,
-                    "finish_reason": finish_str(reason),
-                }],
-                "usage": usage.json(),
-            }))
-            .into_response();
+            "id": request_id("cmpl"),
+            "object": "text_completion",
+            "created": unix_now(),
+            "model": model,
+            "choices": [{
+                "index": 0,
+                "text": text,
+                "logprobs": null,
+                "finish_reason": finish_str(reason),
+            }],
+            "usage": usage.json(),
+        }))
+        .into_response();
         cold_headers(&mut r, run.queue_s, waited);
         Ok::<_, ApiError>(r)
     }

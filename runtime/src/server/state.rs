@@ -169,7 +169,10 @@ impl App {
     }
 
     pub fn loaded(&self) -> Option<Arc<Worker>> {
-        self.worker.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.worker
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     pub fn inflight(&self) -> usize {
@@ -260,7 +263,10 @@ impl App {
             .await;
         match (self.state(), self.loaded()) {
             (State::Ready | State::Draining, Some(w)) => Ok((w, Some(t.elapsed().as_secs_f64()))),
-            (s, _) => Err(ApiError::unavailable(format!("the worker is {}", s.as_str()))),
+            (s, _) => Err(ApiError::unavailable(format!(
+                "the worker is {}",
+                s.as_str()
+            ))),
         }
     }
 

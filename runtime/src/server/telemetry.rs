@@ -52,8 +52,10 @@ pub fn mark_entry() {
 /// Call once the port is listening.
 pub fn mark_listening() {
     if let Some((t, exec)) = *ENTRY.lock().unwrap_or_else(|e| e.into_inner()) {
-        *PROCESS.lock().unwrap_or_else(|e| e.into_inner()) =
-            Some(vec![("exec", exec), ("runtime_init", t.elapsed().as_secs_f64())]);
+        *PROCESS.lock().unwrap_or_else(|e| e.into_inner()) = Some(vec![
+            ("exec", exec),
+            ("runtime_init", t.elapsed().as_secs_f64()),
+        ]);
     }
 }
 

@@ -52,7 +52,10 @@ impl Webhook {
                         .header("x-thaw-attempt", attempt + 1)
                         .body(body.clone());
                     if let Some(s) = &secret {
-                        rq = rq.header("x-thaw-signature", format!("sha256={}", sign(s, body.as_bytes())));
+                        rq = rq.header(
+                            "x-thaw-signature",
+                            format!("sha256={}", sign(s, body.as_bytes())),
+                        );
                     }
                     match rq.send().await {
                         Ok(r) if r.status().is_success() => {
@@ -68,7 +71,9 @@ impl Webhook {
                 let outcome = if delivered { "delivered" } else { "dropped" };
                 METRICS.webhook_events.with_label_values(&[outcome]).inc();
                 if !delivered {
-                    log(format_args!("webhook: gave up on a '{kind}' event after {ATTEMPTS} attempts"));
+                    log(format_args!(
+                        "webhook: gave up on a '{kind}' event after {ATTEMPTS} attempts"
+                    ));
                 }
             }
         });
