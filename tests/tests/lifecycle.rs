@@ -122,9 +122,10 @@ fn idle_exit_exits_zero_and_loses_no_request() {
     let t = Instant::now();
     let mut i = 0u64;
     // Requests spaced around the idle timeout, so some race the timer.
-    while t.elapsed() < Duration::from_secs(20) {
-        let gap = 900 + (i * 37) % 200;
-        std::thread::sleep(Duration::from_millis(gap));
+    let gaps = [300u64, 700, 900, 960, 990, 1000, 1010, 1040, 1080, 1150];
+    while t.elapsed() < Duration::from_secs(30) {
+        // Gaps that grow past the timeout: the last requests race the timer.
+        std::thread::sleep(Duration::from_millis(gaps[(i as usize).min(gaps.len() - 1)]));
         i += 1;
         let r = client()
             .post(s.url("/v1/completions"))

@@ -230,6 +230,7 @@ impl App {
                         *app.cold_start.lock().unwrap_or_else(|e| e.into_inner()) = Some(cs);
                         app.first_token_pending.store(true, SeqCst);
                         *app.worker.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(w));
+                        app.touch(); // the idle clock starts when the worker is ready
                         app.set_state(State::Ready);
                     }
                     Ok(Err(e)) => app.fail(e.to_string()),
