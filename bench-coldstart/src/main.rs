@@ -2,10 +2,11 @@
 //!
 //! `decode`: batch-1 decode tokens/s and prefill tokens/s of the CPU backend on a model, beside
 //! the memory roofline (weight bytes read per token over the read bandwidth this run measures).
-//! Later issues add `load`, `synth`, `serve` and `coldstart`.
+//! `load`, `synth`, `serve` and `coldstart` measure loading, serving and whole cold starts.
 
 use clap::{Parser, Subcommand};
 
+mod coldstart;
 mod decode;
 mod kernels;
 mod load;
@@ -29,6 +30,8 @@ enum Cmd {
     Decode(decode::DecodeArgs),
     /// Matrix-product streaming rate against the read bandwidth.
     Kernels(kernels::KernelArgs),
+    /// Fresh `thaw serve` processes (and a peer server): exec → listening, ready, first token.
+    Coldstart(coldstart::ColdstartArgs),
     /// Every load strategy, page cache warm and cold, against the floor for the same bytes.
     Load(load::LoadArgs),
     /// Serving throughput and latency at several concurrencies (any OpenAI server, or in-process).
@@ -44,6 +47,7 @@ fn main() {
         Cmd::Synth(a) => synth::run(a),
         Cmd::Serve(a) => serve::run(a),
         Cmd::Load(a) => load::run(a),
+        Cmd::Coldstart(a) => coldstart::run(a),
     };
     if let Err(e) = r {
         eprintln!("error: {e:#}");
