@@ -54,7 +54,8 @@ pub struct ColdstartArgs {
 }
 
 /// A fixed prompt of about a hundred tokens (the same text for every server).
-const PROMPT: &str = "The history of the lighthouse begins in the ancient world, where fires were lit on \
+const PROMPT: &str =
+    "The history of the lighthouse begins in the ancient world, where fires were lit on \
 hilltops to guide ships safely into harbour. Over the centuries these beacons became towers of \
 stone, and the fires gave way to oil lamps, then to mirrors and lenses that could throw a beam \
 of light far out to sea. Today most lighthouses are automated, but their purpose has not \
@@ -87,7 +88,10 @@ fn first_request(base: &str, t0: Instant, max_tokens: usize, prompt: &str) -> Re
         if t0.elapsed() > Duration::from_secs(300) {
             bail!("no answer within 300 s");
         }
-        let r = client.post(format!("{base}/v1/completions")).json(&body).send();
+        let r = client
+            .post(format!("{base}/v1/completions"))
+            .json(&body)
+            .send();
         let mut r = match r {
             Ok(r) if r.status().as_u16() == 503 => {
                 std::thread::sleep(Duration::from_millis(5));
@@ -116,7 +120,11 @@ fn first_request(base: &str, t0: Instant, max_tokens: usize, prompt: &str) -> Re
                 } else if text.lines().any(|l| {
                     l.strip_prefix("data: ")
                         .and_then(|d| serde_json::from_str::<Value>(d).ok())
-                        .is_some_and(|v| v["choices"][0]["text"].as_str().is_some_and(|t| !t.is_empty()))
+                        .is_some_and(|v| {
+                            v["choices"][0]["text"]
+                                .as_str()
+                                .is_some_and(|t| !t.is_empty())
+                        })
                 }) {
                     first = Some(t0.elapsed().as_secs_f64());
                 }
@@ -181,9 +189,16 @@ fn one(argv: &[String], port: u16, thaw: bool, max_tokens: usize) -> Result<Run>
         let mut phases = Vec::new();
         if thaw {
             let text = reqwest::blocking::get(format!("{base}/metrics"))?.text()?;
-            for l in text.lines().filter(|l| l.starts_with("thaw_cold_start_phase_seconds{")) {
+            for l in text
+                .lines()
+                .filter(|l| l.starts_with("thaw_cold_start_phase_seconds{"))
+            {
                 let name = l.split('"').nth(1).unwrap_or("").to_string();
-                let v: f64 = l.rsplit(' ').next().and_then(|v| v.parse().ok()).unwrap_or(0.0);
+                let v: f64 = l
+                    .rsplit(' ')
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0.0);
                 phases.push((name, v));
             }
         }
@@ -241,11 +256,19 @@ fn med(runs: &[Run], f: impl Fn(&Run) -> f64) -> (f64, f64, f64) {
     stats(&runs.iter().map(f).collect::<Vec<_>>())
 }
 
-fn svg(path: &Path, thaw: &[(String, f64)], thaw_ttft: f64, peer: Option<(&str, f64)>) -> Result<()> {
+fn svg(
+    path: &Path,
+    thaw: &[(String, f64)],
+    thaw_ttft: f64,
+    peer: Option<(&str, f64)>,
+) -> Result<()> {
     let total = peer.map(|p| p.1).unwrap_or(0.0).max(thaw_ttft).max(1e-3);
     let (w, left, bar) = (900.0, 150.0, 26.0);
     let scale = (w - left - 20.0) / total;
-    let colors = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"];
+    let colors = [
+        "#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7",
+        "#9c755f", "#bab0ac",
+    ];
     let rows = thaw.len() + 2 + usize::from(peer.is_some());
     let h = 40.0 + rows as f64 * (bar + 6.0) + 30.0;
     let mut s = format!(
@@ -256,7 +279,14 @@ fn svg(path: &Path, thaw: &[(String, f64)], thaw_ttft: f64, peer: Option<(&str, 
     let mut x = 0.0;
     for (i, (name, v)) in thaw.iter().enumerate() {
         // Phases run in order except the tokenizer, which overlaps plan/read/verify.
-        let start = if name == "tokenizer" { thaw.iter().take_while(|(n, _)| n != "plan").map(|(_, v)| v).sum() } else { x };
+        let start = if name == "tokenizer" {
+            thaw.iter()
+                .take_while(|(n, _)| n != "plan")
+                .map(|(_, v)| v)
+                .sum()
+        } else {
+            x
+        };
         s += &format!(
             "<text x='10' y='{}'>{name}</text><rect x='{:.1}' y='{y}' width='{:.1}' height='{bar}' fill='{}'/><text x='{:.1}' y='{}'>{:.1}</text>\n",
             y + 17.0, left + start * scale, (v * scale).max(1.0), colors[i % colors.len()],
@@ -300,7 +330,11 @@ pub fn run(a: ColdstartArgs) -> Result<()> {
     let mut method = "none (page cache warm)";
     for i in 0..a.runs {
         // Alternate which side goes first so drift in machine speed hits both alike.
-        let order: Vec<bool> = if i % 2 == 0 { vec![true, false] } else { vec![false, true] };
+        let order: Vec<bool> = if i % 2 == 0 {
+            vec![true, false]
+        } else {
+            vec![false, true]
+        };
         for is_thaw in order {
             if !is_thaw && a.peer.is_none() {
                 continue;
@@ -357,7 +391,18 @@ pub fn run(a: ColdstartArgs) -> Result<()> {
         row(&a.peer_label, &peer_runs);
     }
     // Phase medians in the order they happen.
-    let order = ["exec", "runtime_init", "device_init", "plan", "read", "copy", "verify", "tokenizer", "warmup", "first_token"];
+    let order = [
+        "exec",
+        "runtime_init",
+        "device_init",
+        "plan",
+        "read",
+        "copy",
+        "verify",
+        "tokenizer",
+        "warmup",
+        "first_token",
+    ];
     let phases: Vec<(String, f64)> = order
         .iter()
         .filter_map(|p| {
@@ -371,7 +416,12 @@ pub fn run(a: ColdstartArgs) -> Result<()> {
     let thaw_ttft = med(&thaw_runs, |r| r.ttft_s).0;
     let warm = med(&thaw_runs, |r| r.warm_ttft_s).0;
     let peer_ttft = (!peer_runs.is_empty()).then(|| med(&peer_runs, |r| r.ttft_s).0);
-    svg(&a.svg, &phases, thaw_ttft, peer_ttft.map(|t| (a.peer_label.as_str(), t)))?;
+    svg(
+        &a.svg,
+        &phases,
+        thaw_ttft,
+        peer_ttft.map(|t| (a.peer_label.as_str(), t)),
+    )?;
     let ratio_floor = thaw_ttft / (floor + warm);
     if a.json {
         println!(
@@ -404,7 +454,11 @@ pub fn run(a: ColdstartArgs) -> Result<()> {
         ratio_floor
     );
     if let Some(p) = peer_ttft {
-        println!("exec → first token: thaw / {} = {:.2}×", a.peer_label, thaw_ttft / p);
+        println!(
+            "exec → first token: thaw / {} = {:.2}×",
+            a.peer_label,
+            thaw_ttft / p
+        );
     }
     println!("waterfall: {}", a.svg.display());
     Ok(())

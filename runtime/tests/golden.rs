@@ -57,6 +57,35 @@ fn tokenization_matches_llama_cpp() {
     }
 }
 
+/// The default model's tokenizer takes the fast loading path, and that path encodes exactly as
+/// `tokenizers`' own loader does.
+#[test]
+fn fast_tokenizer_load_equals_the_reference_loader() {
+    let path = model(OutDtype::Bf16).join("tokenizer.json");
+    let bytes = std::fs::read(&path).unwrap();
+    let fast = thaw_runtime::tokenizer::fast::bpe_from_json(&bytes).expect("fast path applies");
+    let slow = tokenizers::Tokenizer::from_bytes(&bytes).unwrap();
+    let mut texts: Vec<String> = golden()["tokenize"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["text"].as_str().unwrap().to_string())
+        .collect();
+    texts.push("<|im_start|>user\nÜber 1234 naïve 🙂 tokens<|im_end|>".into());
+    for t in &texts {
+        let (a, b) = (
+            fast.encode(t.as_str(), false).unwrap(),
+            slow.encode(t.as_str(), false).unwrap(),
+        );
+        assert_eq!(a.get_ids(), b.get_ids(), "{t:?}");
+        assert_eq!(
+            fast.decode(a.get_ids(), false).unwrap(),
+            slow.decode(b.get_ids(), false).unwrap()
+        );
+    }
+    assert_eq!(fast.get_vocab_size(true), slow.get_vocab_size(true));
+}
+
 #[test]
 fn chat_template_renders_match() {
     let tok = TextTokenizer::load(&model(OutDtype::Bf16)).unwrap();

@@ -125,7 +125,9 @@ fn idle_exit_exits_zero_and_loses_no_request() {
     let gaps = [300u64, 700, 900, 960, 990, 1000, 1010, 1040, 1080, 1150];
     while t.elapsed() < Duration::from_secs(30) {
         // Gaps that grow past the timeout: the last requests race the timer.
-        std::thread::sleep(Duration::from_millis(gaps[(i as usize).min(gaps.len() - 1)]));
+        std::thread::sleep(Duration::from_millis(
+            gaps[(i as usize).min(gaps.len() - 1)],
+        ));
         i += 1;
         let r = client()
             .post(s.url("/v1/completions"))
