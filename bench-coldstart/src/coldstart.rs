@@ -113,11 +113,9 @@ fn first_request(base: &str, t0: Instant, max_tokens: usize, prompt: &str) -> Re
                 break;
             }
             acc.extend_from_slice(&buf[..n]);
-            if first.is_none() {
-                let text = String::from_utf8_lossy(&acc);
-                if text.contains("\"text\":\"") && !text.contains("\"text\":\"\"") {
-                    first = Some(t0.elapsed().as_secs_f64());
-                } else if text.lines().any(|l| {
+            // The first SSE chunk that carries text.
+            if first.is_none()
+                && String::from_utf8_lossy(&acc).lines().any(|l| {
                     l.strip_prefix("data: ")
                         .and_then(|d| serde_json::from_str::<Value>(d).ok())
                         .is_some_and(|v| {
@@ -125,9 +123,9 @@ fn first_request(base: &str, t0: Instant, max_tokens: usize, prompt: &str) -> Re
                                 .as_str()
                                 .is_some_and(|t| !t.is_empty())
                         })
-                }) {
-                    first = Some(t0.elapsed().as_secs_f64());
-                }
+                })
+            {
+                first = Some(t0.elapsed().as_secs_f64());
             }
         }
         let end = t0.elapsed().as_secs_f64();

@@ -242,8 +242,11 @@ fn admin_drain_finishes_streams_then_parks_or_exits() {
     assert_eq!(status.code(), Some(0));
 }
 
+/// Requests a receiver got: headers (lower-cased names) and body.
+type Received = Arc<Mutex<Vec<(Vec<(String, String)>, String)>>>;
+
 /// A webhook receiver on 127.0.0.1 that answers 500 to the first `fail` requests.
-fn receiver(fail: usize) -> (String, Arc<Mutex<Vec<(Vec<(String, String)>, String)>>>) {
+fn receiver(fail: usize) -> (String, Received) {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("http://{}/hook", l.local_addr().unwrap());
     let got = Arc::new(Mutex::new(Vec::new()));
