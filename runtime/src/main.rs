@@ -222,13 +222,19 @@ fn parse_after(s: &str) -> Result<AfterDrain, String> {
     }
 }
 
-fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+/// "12.5unit" → (12.5, "unit"); `what` names the kind of value in the error.
+fn number_and_unit<'a>(s: &'a str, what: &str) -> Result<(f64, &'a str), String> {
     let t = s.trim();
     let split = t
         .find(|c: char| !c.is_ascii_digit() && c != '.')
         .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: f64 = num.parse().map_err(|_| format!("bad duration '{s}'"))?;
+    let n: f64 = num.parse().map_err(|_| format!("bad {what} '{s}'"))?;
+    Ok((n, unit.trim()))
+}
+
+fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    let (n, unit) = number_and_unit(s, "duration")?;
     let secs = match unit {
         "ms" => n / 1e3,
         "" | "s" => n,
@@ -240,13 +246,8 @@ fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t
-        .find(|c: char| !c.is_ascii_digit() && c != '.')
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: f64 = num.parse().map_err(|_| format!("bad size '{s}'"))?;
-    let mult = match unit.trim().to_ascii_lowercase().as_str() {
+    let (n, unit) = number_and_unit(s, "size")?;
+    let mult = match unit.to_ascii_lowercase().as_str() {
         "" | "b" => 1.0,
         "k" | "kb" => 1e3,
         "kib" => 1024.0,

@@ -162,6 +162,29 @@ impl Server {
         None
     }
 
+    /// The status of `GET path`.
+    pub fn status(&self, path: &str) -> u16 {
+        client()
+            .get(self.url(path))
+            .send()
+            .unwrap_or_else(|e| panic!("GET {path}: {e}"))
+            .status()
+            .as_u16()
+    }
+
+    /// Polls `cond` every 10 ms until it holds; panics with `what` and the log after `secs`.
+    pub fn wait_until(&self, what: &str, secs: u64, mut cond: impl FnMut() -> bool) {
+        let t = Instant::now();
+        while !cond() {
+            assert!(
+                t.elapsed() < Duration::from_secs(secs),
+                "timed out waiting for {what}: {}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// One metric's value from `/metrics` (first sample whose name and labels start with `key`).
     pub fn metric(&self, key: &str) -> f64 {
         let text = client()

@@ -19,6 +19,16 @@ fn invoke(s: &Server) -> reqwest::blocking::Response {
         .expect("POST /invoke")
 }
 
+/// `POST path` with an optional Bearer token: status and JSON body.
+fn admin(s: &Server, path: &str, token: Option<&str>) -> (u16, Value) {
+    let mut rq = client().post(s.url(path));
+    if let Some(k) = token {
+        rq = rq.bearer_auth(k);
+    }
+    let r = rq.send().unwrap();
+    (r.status().as_u16(), r.json().unwrap_or(Value::Null))
+}
+
 fn ready_state(s: &Server) -> (u16, String) {
     let r = client().get(s.url("/ready")).send().unwrap();
     let st = r.status().as_u16();
@@ -31,15 +41,7 @@ fn lazy_start_loads_on_the_first_request() {
     model_dir("default");
     let s = Server::spawn(&["--lazy"]);
     assert_eq!(ready_state(&s), (503, "cold".to_string()));
-    assert_eq!(
-        client()
-            .get(s.url("/health"))
-            .send()
-            .unwrap()
-            .status()
-            .as_u16(),
-        200
-    );
+    assert_eq!(s.status("/health"), 200);
     let r = invoke(&s);
     assert_eq!(r.status().as_u16(), 200);
     assert_eq!(r.headers()["x-thaw-cold-start"], "true");
@@ -67,22 +69,12 @@ fn lazy_start_loads_on_the_first_request() {
 fn prewarm_is_idempotent_and_admin_routes_need_the_token() {
     model_dir("default");
     let s = Server::spawn(&["--lazy", "--admin-token", "adm"]);
-    for (key, status) in [(None, 401), (Some("nope"), 401)] {
-        let mut rq = client().post(s.url("/admin/prewarm"));
-        if let Some(k) = key {
-            rq = rq.bearer_auth(k);
-        }
-        let r = rq.send().unwrap();
-        assert_eq!(r.status().as_u16(), status);
-        let v: Value = r.json().unwrap();
+    for key in [None, Some("nope")] {
+        let (st, v) = admin(&s, "/admin/prewarm", key);
+        assert_eq!(st, 401);
         assert_eq!(v["error"]["code"], "invalid_api_key");
     }
-    let r = client()
-        .post(s.url("/admin/drain"))
-        .bearer_auth("x")
-        .send()
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 401);
+    assert_eq!(admin(&s, "/admin/drain", Some("x")).0, 401);
     assert_eq!(ready_state(&s).1, "cold", "a refused prewarm must not load");
     let url = s.url("/admin/prewarm");
     let hs: Vec<_> = (0..10)
@@ -106,12 +98,7 @@ fn prewarm_is_idempotent_and_admin_routes_need_the_token() {
     assert_eq!(loads, 1, "{}", s.log());
     // Without --admin-token the routes are off.
     let s2 = Server::spawn(&["--lazy"]);
-    let r = client()
-        .post(s2.url("/admin/prewarm"))
-        .bearer_auth("adm")
-        .send()
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 403);
+    assert_eq!(admin(&s2, "/admin/prewarm", Some("adm")).0, 403);
 }
 
 #[test]
@@ -161,15 +148,9 @@ fn idle_exit_exits_zero_and_loses_no_request() {
 fn park_then_request_is_served() {
     model_dir("default");
     let s = Server::ready(&["--idle-timeout", "500ms", "--on-idle", "park"]);
-    let t = Instant::now();
-    while ready_state(&s) != (503, "parked".to_string()) {
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "never parked: {}",
-            s.log()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    s.wait_until("the worker to park", 10, || {
+        !(ready_state(&s) != (503, "parked".to_string()))
+    });
     assert_eq!(s.metric("thaw_state{state=\"parked\"}"), 1.0);
     let r = invoke(&s);
     assert_eq!(r.status().as_u16(), 200);
@@ -204,17 +185,10 @@ fn admin_drain_finishes_streams_then_parks_or_exits() {
     // Drain, then park: streams finish, new requests get 503 meanwhile, then the next request
     // reloads.
     let hs: Vec<_> = (0..2).map(|_| stream(&s)).collect();
-    let t = Instant::now();
-    while s.metric("thaw_num_requests_running") < 2.0 {
-        assert!(t.elapsed() < Duration::from_secs(30));
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let r = client()
-        .post(s.url("/admin/drain?then=park"))
-        .bearer_auth("adm")
-        .send()
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 202);
+    s.wait_until("two running requests", 30, || {
+        !(s.metric("thaw_num_requests_running") < 2.0)
+    });
+    assert_eq!(admin(&s, "/admin/drain?then=park", Some("adm")).0, 202);
     let r = invoke(&s);
     assert_eq!(r.status().as_u16(), 503);
     for h in hs {
@@ -222,21 +196,14 @@ fn admin_drain_finishes_streams_then_parks_or_exits() {
         assert!(body.trim_end().ends_with("data: [DONE]"), "{body}");
         assert!(body.contains("\"finish_reason\":\"length\""));
     }
-    let t = Instant::now();
-    while ready_state(&s).1 != "parked" {
-        assert!(t.elapsed() < Duration::from_secs(10));
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    s.wait_until("the drain to park the worker", 10, || {
+        !(ready_state(&s).1 != "parked")
+    });
     assert_eq!(invoke(&s).status().as_u16(), 200);
     // Drain, then exit.
     let h = stream(&s);
     std::thread::sleep(Duration::from_millis(200));
-    let r = client()
-        .post(s.url("/admin/drain?then=exit"))
-        .bearer_auth("adm")
-        .send()
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 202);
+    assert_eq!(admin(&s, "/admin/drain?then=exit", Some("adm")).0, 202);
     assert!(h.join().unwrap().contains("data: [DONE]"));
     let status = s.wait_exit(Duration::from_secs(30)).expect("exited");
     assert_eq!(status.code(), Some(0));
@@ -397,4 +364,61 @@ fn autoscaler_document_reports_load() {
     for h in hs {
         assert_eq!(h.join().unwrap(), 200);
     }
+}
+
+#[test]
+fn webhook_gets_scale_hints() {
+    model_dir("default");
+    let (url, got) = receiver(0);
+    let s = Server::ready(&[
+        "--autoscaler-webhook",
+        &url,
+        "--target-concurrency",
+        "1",
+        "--idle-timeout",
+        "2s",
+        "--on-idle",
+        "park",
+    ]);
+    // Three requests held for a few seconds against a target of one: a scale-up hint.
+    let hs: Vec<_> = (0..3)
+        .map(|_| {
+            let u = s.url("/v1/completions");
+            std::thread::spawn(move || {
+                client()
+                    .post(u)
+                    .json(&json!({"prompt": "Hi", "max_tokens": 200, "ignore_eos": true}))
+                    .send()
+                    .unwrap()
+                    .status()
+                    .as_u16()
+            })
+        })
+        .collect();
+    for h in hs {
+        assert_eq!(h.join().unwrap(), 200);
+    }
+    let events = |kind: &str| {
+        got.lock()
+            .unwrap()
+            .iter()
+            .filter_map(|(_, b)| serde_json::from_str::<Value>(b).ok())
+            .filter(|v| v["event"] == kind)
+            .collect::<Vec<_>>()
+    };
+    let up = events("scale_up");
+    assert!(
+        !up.is_empty(),
+        "no scale_up hint: {:?}",
+        got.lock().unwrap()
+    );
+    assert!(
+        up[0]["desired_replicas"].as_u64().unwrap() >= 2,
+        "{}",
+        up[0]
+    );
+    // Then idle: a scale-down hint (at half the idle timeout) and the park.
+    s.wait_until("a scale-down hint and the park", 20, || {
+        !events("scale_down").is_empty() && events("state").iter().any(|v| v["state"] == "parked")
+    });
 }

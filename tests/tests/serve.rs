@@ -4,7 +4,7 @@
 
 use std::io::Read;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{json, Value};
 use thaw_tests::{client, golden, model_dir, Server};
@@ -414,11 +414,7 @@ fn errors_have_their_status_and_openai_shape() {
     }
     // /health, /ready and /metrics stay open; the right key works.
     for p in ["/health", "/ready", "/metrics"] {
-        assert_eq!(
-            client().get(s.url(p)).send().unwrap().status().as_u16(),
-            200,
-            "{p}"
-        );
+        assert_eq!(s.status(p), 200, "{p}");
     }
     assert_eq!(
         send("/v1/chat/completions", chat(json!({})), Some("k1")).0,
@@ -462,15 +458,7 @@ fn overload_gets_429_and_server_stays_healthy() {
         &json!({"prompt": "Hi", "max_tokens": 2}),
     );
     assert_eq!(st, 200);
-    assert_eq!(
-        client()
-            .get(s.url("/health"))
-            .send()
-            .unwrap()
-            .status()
-            .as_u16(),
-        200
-    );
+    assert_eq!(s.status("/health"), 200);
 }
 
 #[test]
@@ -493,14 +481,9 @@ fn disconnect_mid_stream_frees_kv_blocks() {
     }
     assert!(s.metric("thaw_kv_cache_usage_perc") > 0.0);
     drop(resp);
-    let t = Instant::now();
-    while s.metric("thaw_kv_cache_usage_perc") > 0.0 {
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "KV blocks still held"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    s.wait_until("the KV blocks to be freed", 20, || {
+        !(s.metric("thaw_kv_cache_usage_perc") > 0.0)
+    });
     assert_eq!(s.metric("thaw_num_requests_running"), 0.0);
     assert_eq!(
         s.metric("thaw_request_success_total{finished_reason=\"abort\"}"),
@@ -530,11 +513,9 @@ fn sigterm_drains_in_flight_streams_then_exits_zero() {
         })
         .collect();
     // Wait until all four are running, then ask the worker to stop.
-    let t = Instant::now();
-    while s.metric("thaw_num_requests_running") < 4.0 {
-        assert!(t.elapsed() < Duration::from_secs(30));
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    s.wait_until("four running streams", 30, || {
+        !(s.metric("thaw_num_requests_running") < 4.0)
+    });
     s.signal(libc::SIGTERM);
     std::thread::sleep(Duration::from_millis(100));
     let (st, v) = post(
@@ -660,14 +641,6 @@ fn a_thousand_malformed_bodies_never_crash_or_500() {
     }
     assert!(statuses.len() >= 2, "{statuses:?}");
     eprintln!("statuses: {statuses:?}");
-    assert_eq!(
-        client()
-            .get(s.url("/health"))
-            .send()
-            .unwrap()
-            .status()
-            .as_u16(),
-        200
-    );
+    assert_eq!(s.status("/health"), 200);
     assert_eq!(s.metric("thaw_kv_cache_usage_perc"), 0.0);
 }

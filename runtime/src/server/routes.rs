@@ -298,36 +298,58 @@ fn sse(
     }))
 }
 
+/// Both OpenAI generation routes: start the run, then stream it or answer in one document.
+async fn openai(
+    app: &Arc<App>,
+    arrival: Instant,
+    kind: Kind,
+    input: Input,
+    p: &Params,
+) -> Result<Response, ApiError> {
+    let (mut run, waited) = start(app, arrival, input, p).await?;
+    let model = app.served_name.clone();
+    if p.stream() {
+        let mut r = sse(run, kind, model, p.include_usage()).into_response();
+        cold_headers(&mut r, None, waited);
+        return Ok(r);
+    }
+    let (text, reason, usage) = run_to_end(&mut run).await?;
+    let (id, object, choice) = match kind {
+        Kind::Chat => (
+            request_id("chatcmpl"),
+            "chat.completion",
+            json!({"index": 0, "message": {"role": "assistant", "content": text},
+                   "logprobs": null, "finish_reason": finish_str(reason)}),
+        ),
+        Kind::Completion => (
+            request_id("cmpl"),
+            "text_completion",
+            json!({"index": 0, "text": text, "logprobs": null,
+                   "finish_reason": finish_str(reason)}),
+        ),
+    };
+    let mut r = Json(json!({
+        "id": id, "object": object, "created": unix_now(), "model": model,
+        "choices": [choice], "usage": usage.json(),
+    }))
+    .into_response();
+    cold_headers(&mut r, run.queue_s, waited);
+    Ok(r)
+}
+
 pub async fn chat_completions(State(app): AppState, headers: HeaderMap, body: Body) -> Response {
     let arrival = Instant::now();
     let r = async {
         check_auth(&app, &headers)?;
         let req: ChatRequest = parse(&body_bytes(body)?)?;
-        let (mut run, waited) =
-            start(&app, arrival, Input::Chat(req.messages), &req.params).await?;
-        let model = app.served_name.clone();
-        if req.params.stream() {
-            let mut r = sse(run, Kind::Chat, model, req.params.include_usage()).into_response();
-            cold_headers(&mut r, None, waited);
-            return Ok(r);
-        }
-        let (text, reason, usage) = run_to_end(&mut run).await?;
-        let mut r = Json(json!({
-            "id": request_id("chatcmpl"),
-            "object": "chat.completion",
-            "created": unix_now(),
-            "model": model,
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": null,
-                "finish_reason": finish_str(reason),
-            }],
-            "usage": usage.json(),
-        }))
-        .into_response();
-        cold_headers(&mut r, run.queue_s, waited);
-        Ok::<_, ApiError>(r)
+        openai(
+            &app,
+            arrival,
+            Kind::Chat,
+            Input::Chat(req.messages),
+            &req.params,
+        )
+        .await
     }
     .await;
     r.unwrap_or_else(IntoResponse::into_response)
@@ -338,32 +360,8 @@ pub async fn completions(State(app): AppState, headers: HeaderMap, body: Body) -
     let r = async {
         check_auth(&app, &headers)?;
         let req: CompletionRequest = parse(&body_bytes(body)?)?;
-        let (mut run, waited) =
-            start(&app, arrival, Input::Prompt(req.prompt), &req.params).await?;
-        let model = app.served_name.clone();
-        if req.params.stream() {
-            let mut r =
-                sse(run, Kind::Completion, model, req.params.include_usage()).into_response();
-            cold_headers(&mut r, None, waited);
-            return Ok(r);
-        }
-        let (text, reason, usage) = run_to_end(&mut run).await?;
-        let mut r = Json(json!({
-            "id": request_id("cmpl"),
-            "object": "text_completion",
-            "created": unix_now(),
-            "model": model,
-            "choices": [{
-                "index": 0,
-                "text": text,
-                "logprobs": null,
-                "finish_reason": finish_str(reason),
-            }],
-            "usage": usage.json(),
-        }))
-        .into_response();
-        cold_headers(&mut r, run.queue_s, waited);
-        Ok::<_, ApiError>(r)
+        let input = Input::Prompt(req.prompt);
+        openai(&app, arrival, Kind::Completion, input, &req.params).await
     }
     .await;
     r.unwrap_or_else(IntoResponse::into_response)
