@@ -528,17 +528,49 @@ mod avx512 {
                     }
                 }
             }
-            for ri in 0..R {
-                for t in 0..T {
-                    *out.add(t * ldo + r + ri) = _mm512_reduce_add_ps(acc[ri][t]);
-                }
-            }
+            store_sums(&acc, out, ldo, r);
+        }
+    }
+}
+
+/// Prefetches `bytes` (a multiple of 64) from `p` into L1: the next row tile, streamed linearly
+/// while this one is consumed as R interleaved rows.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch(p: *const u8, bytes: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    let mut line = 0;
+    while line < bytes {
+        // SAFETY: prefetch is a hint; it never faults, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line).cast()) };
+        line += 64;
+    }
+}
+
+/// Writes the horizontal sum of each accumulator to `out[t, r + ri]`.
+///
+/// # Safety
+/// `out` must be valid for writes at `t * ldo + r + ri` for every t < T, ri < R; AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn store_sums<const R: usize, const T: usize>(
+    acc: &[[std::arch::x86_64::__m512; T]; R],
+    out: *mut f32,
+    ldo: usize,
+    r: usize,
+) {
+    for (ri, row) in acc.iter().enumerate() {
+        for (t, a) in row.iter().enumerate() {
+            // SAFETY: in bounds by the caller's contract.
+            unsafe { *out.add(t * ldo + r + ri) = std::arch::x86_64::_mm512_reduce_add_ps(*a) };
         }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx512_bf16_tile {
+    use super::{prefetch, store_sums};
     use std::arch::x86_64::*;
 
     /// bf16 weights, 32 at a time: one 64-byte load holds 16 (even, odd) pairs; a shift left by
@@ -574,12 +606,7 @@ mod avx512_bf16_tile {
                 } else {
                     ((1u64 << rem) - 1) as u32
                 };
-                let pf = next.wrapping_add(i / 32 * step_bytes);
-                let mut line = 0;
-                while line < step_bytes {
-                    _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(line).cast());
-                    line += 64;
-                }
+                prefetch(next.wrapping_add(i / 32 * step_bytes), step_bytes);
                 let mut xe = [_mm512_setzero_ps(); T];
                 let mut xo = [_mm512_setzero_ps(); T];
                 for t in 0..T {
@@ -602,17 +629,14 @@ mod avx512_bf16_tile {
                 }
                 i += 32;
             }
-            for ri in 0..R {
-                for t in 0..T {
-                    *out.add(t * ldo + r + ri) = _mm512_reduce_add_ps(acc[ri][t]);
-                }
-            }
+            store_sums(&acc, out, ldo, r);
         }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx512_bf16_dot {
+    use super::{prefetch, store_sums};
     use std::arch::x86_64::*;
 
     /// bf16 weights × bf16 activations, 32 per instruction: `vdpbf16ps` multiplies the (even,
@@ -642,12 +666,7 @@ mod avx512_bf16_dot {
             let next = w.wrapping_add((r + R) * k).cast::<u8>();
             let mut i = 0;
             while i < k {
-                let pf = next.wrapping_add(i / 32 * step_bytes);
-                let mut line = 0;
-                while line < step_bytes {
-                    _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(line).cast());
-                    line += 64;
-                }
+                prefetch(next.wrapping_add(i / 32 * step_bytes), step_bytes);
                 let mut xv = [_mm512_setzero_si512(); T];
                 for t in 0..T {
                     xv[t] = _mm512_loadu_si512(x.add(t * ldx + i).cast());
@@ -668,11 +687,7 @@ mod avx512_bf16_dot {
                 }
                 i += 32;
             }
-            for ri in 0..R {
-                for t in 0..T {
-                    *out.add(t * ldo + r + ri) = _mm512_reduce_add_ps(acc[ri][t]);
-                }
-            }
+            store_sums(&acc, out, ldo, r);
         }
     }
 }

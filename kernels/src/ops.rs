@@ -444,13 +444,7 @@ mod simd {
                     let cnt = (len - j0).min(16);
                     let mut part = [[_mm512_setzero_ps(); 16]; G];
                     for j in 0..cnt {
-                        let r = layout.row(b + j0 + j);
-                        assert!(r + N * 16 <= k.len(), "key row out of bounds");
-                        let row = k.as_ptr().add(r);
-                        let mut kc = [_mm512_setzero_ps(); N];
-                        for i in 0..N {
-                            kc[i] = _mm512_loadu_ps(row.add(16 * i));
-                        }
+                        let kc = load_row::<N>(k, layout.row(b + j0 + j));
                         for g in 0..G {
                             let qg = qp.add(g * N * 16);
                             let mut a = _mm512_mul_ps(_mm512_loadu_ps(qg), kc[0]);
@@ -497,13 +491,7 @@ mod simd {
                 }
                 // Values: each row loaded once, accumulated into every head's output.
                 for j in 0..len {
-                    let r = layout.row(b + j);
-                    assert!(r + N * 16 <= v.len(), "value row out of bounds");
-                    let row = v.as_ptr().add(r);
-                    let mut vc = [_mm512_setzero_ps(); N];
-                    for i in 0..N {
-                        vc[i] = _mm512_loadu_ps(row.add(16 * i));
-                    }
+                    let vc = load_row::<N>(v, layout.row(b + j));
                     for g in 0..G {
                         let p = _mm512_set1_ps(s[g][j]);
                         for i in 0..N {
@@ -523,6 +511,19 @@ mod simd {
                 }
             }
         }
+    }
+
+    /// The `16 N` floats of a key or value row starting at `at` (bounds-checked).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn load_row<const N: usize>(buf: &[f32], at: usize) -> [__m512; N] {
+        assert!(at + N * 16 <= buf.len(), "KV row out of bounds");
+        let mut r = [_mm512_setzero_ps(); N];
+        for (i, x) in r.iter_mut().enumerate() {
+            // SAFETY: at + 16 i + 16 <= buf.len(), checked above.
+            *x = unsafe { _mm512_loadu_ps(buf.as_ptr().add(at + 16 * i)) };
+        }
+        r
     }
 
     /// Lane `j` of the result = the sum of the 16 lanes of `v[j]`.
