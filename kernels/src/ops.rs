@@ -168,8 +168,8 @@ pub struct PagedStore {
 pub fn paged_attention(
     pool: &ThreadPool,
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    k: KvData<'_>,
+    v: KvData<'_>,
     rows: &[PagedRow<'_>],
     store: PagedStore,
     s: AttnShape,
@@ -206,7 +206,15 @@ pub fn paged_attention(
         let o = unsafe {
             std::slice::from_raw_parts_mut(out_ptr.get().add((t * nh + h) * hd), group * hd)
         };
-        attend_group(qr, hd, k, v, rows[t].pos + 1, layout, scale, o);
+        match (k, v) {
+            (KvData::F32(k), KvData::F32(v)) => {
+                attend_group(qr, hd, k, v, rows[t].pos + 1, layout, scale, o)
+            }
+            (KvData::Bf16(k), KvData::Bf16(v)) => {
+                attend_group(qr, hd, k, v, rows[t].pos + 1, layout, scale, o)
+            }
+            _ => panic!("keys and values must share one storage type"),
+        }
     };
     pool.run(n * nkv, &job);
 }
@@ -247,15 +255,63 @@ impl KvLayout<'_> {
     }
 }
 
+/// The key/value store's element: f32, or bf16 bits (half the bytes to stream per step).
+#[derive(Clone, Copy, Debug)]
+pub enum KvData<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+}
+
+/// An element type the attention kernels read keys and values as.
+pub trait KvElem: Copy + Send + Sync + 'static {
+    fn to_f32(self) -> f32;
+    /// 16 values at `p`, widened to f32.
+    ///
+    /// # Safety
+    /// 16 elements at `p` must be readable; AVX-512F must be available.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
+}
+
+impl KvElem for f32 {
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
+        // SAFETY: the caller's contract.
+        unsafe { std::arch::x86_64::_mm512_loadu_ps(p) }
+    }
+}
+
+impl KvElem for u16 {
+    fn to_f32(self) -> f32 {
+        f32::from_bits((self as u32) << 16)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const u16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract; bf16 → f32 is the bits shifted into the high half.
+        unsafe {
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+                _mm256_loadu_si256(p.cast()),
+            )))
+        }
+    }
+}
+
 /// The `g = qs.len() / hd` query heads that share one KV head (GQA), one query row, against
 /// `visible` keys: each key and value row is loaded once for the whole group. Per head the
-/// result is what [`attend_one`] gives.
+/// result is what [`attend_one`] gives (for f32 storage; bf16 storage is the same arithmetic on
+/// the widened values).
 #[allow(clippy::too_many_arguments)]
-pub fn attend_group(
+pub fn attend_group<E: KvElem>(
     qs: &[f32],
     hd: usize,
-    k: &[f32],
-    v: &[f32],
+    k: &[E],
+    v: &[E],
     visible: usize,
     layout: KvLayout<'_>,
     scale: f32,
@@ -276,29 +332,63 @@ pub fn attend_group(
             // SAFETY: AVX-512 was detected; shapes match the const parameters.
             unsafe {
                 match (hd, c) {
-                    (64, 1) => simd::group::<4, 1>(q, k, v, visible, &layout, scale, o),
-                    (64, 2) => simd::group::<4, 2>(q, k, v, visible, &layout, scale, o),
-                    (64, 3) => simd::group::<4, 3>(q, k, v, visible, &layout, scale, o),
-                    (64, _) => simd::group::<4, 4>(q, k, v, visible, &layout, scale, o),
-                    (_, 1) => simd::group::<8, 1>(q, k, v, visible, &layout, scale, o),
-                    (_, 2) => simd::group::<8, 2>(q, k, v, visible, &layout, scale, o),
-                    _ => simd::group::<8, 3>(q, k, v, visible, &layout, scale, o),
+                    (64, 1) => simd::group::<4, 1, E>(q, k, v, visible, &layout, scale, o),
+                    (64, 2) => simd::group::<4, 2, E>(q, k, v, visible, &layout, scale, o),
+                    (64, 3) => simd::group::<4, 3, E>(q, k, v, visible, &layout, scale, o),
+                    (64, _) => simd::group::<4, 4, E>(q, k, v, visible, &layout, scale, o),
+                    (_, 1) => simd::group::<8, 1, E>(q, k, v, visible, &layout, scale, o),
+                    (_, 2) => simd::group::<8, 2, E>(q, k, v, visible, &layout, scale, o),
+                    _ => simd::group::<8, 3, E>(q, k, v, visible, &layout, scale, o),
                 }
             }
             h += c;
         }
         return;
     }
+    // Other paths work on f32 rows: widen this sequence's visible rows (bf16 storage) into
+    // contiguous buffers first.
+    let (kf, vf, lay): (
+        std::borrow::Cow<'_, [f32]>,
+        std::borrow::Cow<'_, [f32]>,
+        KvLayout<'_>,
+    ) = match (as_f32(k), as_f32(v)) {
+        (Some(k), Some(v)) => (k.into(), v.into(), layout),
+        _ => {
+            let widen = |src: &[E]| -> Vec<f32> {
+                (0..visible)
+                    .flat_map(|j| {
+                        let r = layout.row(j);
+                        src[r..r + hd].iter().map(|x| x.to_f32())
+                    })
+                    .collect()
+            };
+            (
+                widen(k).into(),
+                widen(v).into(),
+                KvLayout::Contiguous { stride: hd, off: 0 },
+            )
+        }
+    };
     for h in 0..g {
         attend_one(
             &qs[h * hd..(h + 1) * hd],
-            k,
-            v,
+            &kf,
+            &vf,
             visible,
-            layout,
+            lay,
             scale,
             &mut out[h * hd..(h + 1) * hd],
         );
+    }
+}
+
+/// `x` as f32 if `E` is f32.
+fn as_f32<E: KvElem>(x: &[E]) -> Option<&[f32]> {
+    if std::any::TypeId::of::<E>() == std::any::TypeId::of::<f32>() {
+        // SAFETY: E is f32 (checked just above), so the slice is a &[f32].
+        Some(unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<f32>(), x.len()) })
+    } else {
+        None
     }
 }
 
@@ -326,8 +416,8 @@ pub fn attend_one(
         ) {
             match q.len() {
                 // SAFETY (both): this function only runs where AVX-512 was detected.
-                64 => unsafe { simd::group::<4, 1>(q, k, v, visible, &layout, scale, out) },
-                128 => unsafe { simd::group::<8, 1>(q, k, v, visible, &layout, scale, out) },
+                64 => unsafe { simd::group::<4, 1, f32>(q, k, v, visible, &layout, scale, out) },
+                128 => unsafe { simd::group::<8, 1, f32>(q, k, v, visible, &layout, scale, out) },
                 _ => attend_one_generic(q, k, v, visible, layout, scale, out),
             }
         }
@@ -414,10 +504,10 @@ mod simd {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn group<const N: usize, const G: usize>(
+    pub(super) unsafe fn group<const N: usize, const G: usize, E: super::KvElem>(
         q: &[f32],
-        k: &[f32],
-        v: &[f32],
+        k: &[E],
+        v: &[E],
         visible: usize,
         layout: &KvLayout<'_>,
         scale: f32,
@@ -444,7 +534,7 @@ mod simd {
                     let cnt = (len - j0).min(16);
                     let mut part = [[_mm512_setzero_ps(); 16]; G];
                     for j in 0..cnt {
-                        let kc = load_row::<N>(k, layout.row(b + j0 + j));
+                        let kc = load_row::<N, E>(k, layout.row(b + j0 + j));
                         for g in 0..G {
                             let qg = qp.add(g * N * 16);
                             let mut a = _mm512_mul_ps(_mm512_loadu_ps(qg), kc[0]);
@@ -491,7 +581,7 @@ mod simd {
                 }
                 // Values: each row loaded once, accumulated into every head's output.
                 for j in 0..len {
-                    let vc = load_row::<N>(v, layout.row(b + j));
+                    let vc = load_row::<N, E>(v, layout.row(b + j));
                     for g in 0..G {
                         let p = _mm512_set1_ps(s[g][j]);
                         for i in 0..N {
@@ -516,12 +606,12 @@ mod simd {
     /// The `16 N` floats of a key or value row starting at `at` (bounds-checked).
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    unsafe fn load_row<const N: usize>(buf: &[f32], at: usize) -> [__m512; N] {
+    unsafe fn load_row<const N: usize, E: super::KvElem>(buf: &[E], at: usize) -> [__m512; N] {
         assert!(at + N * 16 <= buf.len(), "KV row out of bounds");
         let mut r = [_mm512_setzero_ps(); N];
         for (i, x) in r.iter_mut().enumerate() {
-            // SAFETY: at + 16 i + 16 <= buf.len(), checked above.
-            *x = unsafe { _mm512_loadu_ps(buf.as_ptr().add(at + 16 * i)) };
+            // SAFETY: at + 16 i + 16 <= buf.len(), checked above; AVX-512 is enabled here.
+            *x = unsafe { E::load16(buf.as_ptr().add(at + 16 * i)) };
         }
         r
     }
@@ -888,20 +978,54 @@ mod tests {
         });
         let q: Vec<f32> = (0..rows.len() * nh * hd).map(|_| r() * 2.0).collect();
         let mut out = vec![0f32; q.len()];
+        let shape = AttnShape {
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: hd,
+        };
         paged_attention(
             &pool,
             &q,
-            &k,
-            &v,
+            KvData::F32(&k),
+            KvData::F32(&v),
             &rows,
             store,
-            AttnShape {
-                n_heads: nh,
-                n_kv_heads: nkv,
-                head_dim: hd,
-            },
+            shape,
             &mut out,
         );
+        // bf16 storage: the same bits as f32 storage holding the same (bf16-exact) values.
+        let kb: Vec<u16> = k
+            .iter()
+            .map(|&x| half::bf16::from_f32(x).to_bits())
+            .collect();
+        let vb: Vec<u16> = v
+            .iter()
+            .map(|&x| half::bf16::from_f32(x).to_bits())
+            .collect();
+        let widen = |b: &[u16]| -> Vec<f32> { b.iter().map(|&x| KvElem::to_f32(x)).collect() };
+        let (kw, vw) = (widen(&kb), widen(&vb));
+        let (mut ob, mut ow) = (vec![0f32; q.len()], vec![0f32; q.len()]);
+        paged_attention(
+            &pool,
+            &q,
+            KvData::Bf16(&kb),
+            KvData::Bf16(&vb),
+            &rows,
+            store,
+            shape,
+            &mut ob,
+        );
+        paged_attention(
+            &pool,
+            &q,
+            KvData::F32(&kw),
+            KvData::F32(&vw),
+            &rows,
+            store,
+            shape,
+            &mut ow,
+        );
+        assert_eq!(ob, ow);
         for (t, row) in rows.iter().enumerate() {
             for h in 0..nh {
                 let layout = KvLayout::Paged {
@@ -997,7 +1121,16 @@ mod tests {
             block_stride: len * kv_dim,
             layer_off: 0,
         };
-        paged_attention(pool, q, k, v, &rows, store, s, out);
+        paged_attention(
+            pool,
+            q,
+            KvData::F32(k),
+            KvData::F32(v),
+            &rows,
+            store,
+            s,
+            out,
+        );
     }
 
     #[test]

@@ -41,7 +41,7 @@ pub struct EngineConfig {
 impl EngineConfig {
     /// A configuration whose KV store takes about `bytes` of memory.
     pub fn with_kv_bytes(model: &Llama, bytes: usize) -> EngineConfig {
-        let per = PagedKv::bytes_per_block(&model.cfg, DEFAULT_BLOCK_SIZE);
+        let per = PagedKv::bytes_per_block(&model.cfg, DEFAULT_BLOCK_SIZE, model.kv_dtype());
         EngineConfig {
             block_size: DEFAULT_BLOCK_SIZE,
             num_blocks: (bytes / per).max(1),
@@ -257,7 +257,7 @@ struct Scheduler {
 
 impl Scheduler {
     fn new(model: Arc<Llama>, cfg: EngineConfig, stats: Arc<Mutex<EngineStats>>) -> Scheduler {
-        let kv = PagedKv::new(&model.cfg, cfg.block_size, cfg.num_blocks);
+        let kv = PagedKv::with_dtype(&model.cfg, cfg.block_size, cfg.num_blocks, model.kv_dtype());
         Scheduler {
             blocks: BlockManager::new(cfg.num_blocks, cfg.block_size),
             kv,

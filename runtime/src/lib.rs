@@ -31,6 +31,6 @@ pub use chat::{render_chat, ChatMessage};
 pub use config::ModelConfig;
 pub use error::RuntimeError;
 pub use generate::{generate, FinishReason, GenerateParams, Generation};
-pub use model::{KvCache, Llama, PagedKv, SeqChunk};
+pub use model::{KvCache, KvDtype, Llama, PagedKv, SeqChunk};
 pub use sampling::{Sampler, SamplingParams};
 pub use tokenizer::TextTokenizer;

@@ -52,28 +52,95 @@ pub struct PagedKv {
     layers: usize,
     kv_dim: usize,
     blocks: usize,
-    k: Vec<f32>,
-    v: Vec<f32>,
+    k: KvBuf,
+    v: KvBuf,
+}
+
+/// How keys and values are stored: f32, or bf16 (half the bytes attention streams per step;
+/// used with bf16 weights, whose activations are already rounded to bf16 in the products).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvDtype {
+    F32,
+    Bf16,
+}
+
+enum KvBuf {
+    F32(Vec<f32>),
+    Bf16(Vec<u16>),
+}
+
+impl KvBuf {
+    /// `n` zeros. `vec![0; n]` allocates zeroed memory (calloc: fresh pages the kernel
+    /// zero-fills on first touch), so a large KV budget costs nothing at start; `resize` would
+    /// write every byte up front (~0.5 s per GiB of page faults here).
+    fn zeros(dtype: KvDtype, n: usize) -> KvBuf {
+        match dtype {
+            KvDtype::F32 => KvBuf::F32(vec![0.0; n]),
+            KvDtype::Bf16 => KvBuf::Bf16(vec![0; n]),
+        }
+    }
+    fn resize(&mut self, n: usize) {
+        match self {
+            KvBuf::F32(b) => b.resize(n, 0.0),
+            KvBuf::Bf16(b) => b.resize(n, 0),
+        }
+    }
+    fn write(&mut self, at: usize, row: &[f32]) {
+        match self {
+            KvBuf::F32(b) => b[at..at + row.len()].copy_from_slice(row),
+            KvBuf::Bf16(b) => b[at..at + row.len()]
+                .iter_mut()
+                .zip(row)
+                .for_each(|(o, &x)| *o = half::bf16::from_f32(x).to_bits()),
+        }
+    }
+    fn data(&self) -> ops::KvData<'_> {
+        match self {
+            KvBuf::F32(b) => ops::KvData::F32(b),
+            KvBuf::Bf16(b) => ops::KvData::Bf16(b),
+        }
+    }
+}
+
+impl KvDtype {
+    fn bytes(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::Bf16 => 2,
+        }
+    }
 }
 
 impl PagedKv {
+    /// An f32 store.
     pub fn new(cfg: &ModelConfig, block_size: usize, blocks: usize) -> PagedKv {
+        PagedKv::with_dtype(cfg, block_size, blocks, KvDtype::F32)
+    }
+    pub fn with_dtype(
+        cfg: &ModelConfig,
+        block_size: usize,
+        blocks: usize,
+        dtype: KvDtype,
+    ) -> PagedKv {
         let n = blocks * cfg.num_hidden_layers * block_size * cfg.kv_dim();
-        // `vec![0.0; n]` allocates zeroed memory (calloc: fresh pages the kernel zero-fills on
-        // first touch), so a large KV budget costs nothing at start; `resize` would write
-        // every byte up front (~0.5 s per GiB of page faults here).
         PagedKv {
             block_size,
             layers: cfg.num_hidden_layers,
             kv_dim: cfg.kv_dim(),
             blocks,
-            k: vec![0.0; n],
-            v: vec![0.0; n],
+            k: KvBuf::zeros(dtype, n),
+            v: KvBuf::zeros(dtype, n),
         }
     }
-    /// Bytes one block takes (keys and values, all layers, f32).
-    pub fn bytes_per_block(cfg: &ModelConfig, block_size: usize) -> usize {
-        2 * cfg.num_hidden_layers * block_size * cfg.kv_dim() * 4
+    /// Bytes one block takes (keys and values, all layers).
+    pub fn bytes_per_block(cfg: &ModelConfig, block_size: usize, dtype: KvDtype) -> usize {
+        2 * cfg.num_hidden_layers * block_size * cfg.kv_dim() * dtype.bytes()
+    }
+    pub fn dtype(&self) -> KvDtype {
+        match self.k {
+            KvBuf::F32(_) => KvDtype::F32,
+            KvBuf::Bf16(_) => KvDtype::Bf16,
+        }
     }
     pub fn blocks(&self) -> usize {
         self.blocks
@@ -88,8 +155,9 @@ impl PagedKv {
     pub fn grow(&mut self, blocks: usize) {
         if blocks > self.blocks {
             self.blocks = blocks;
-            self.k.resize(blocks * self.block_stride(), 0.0);
-            self.v.resize(blocks * self.block_stride(), 0.0);
+            let n = blocks * self.block_stride();
+            self.k.resize(n);
+            self.v.resize(n);
         }
     }
     fn store(&self, layer: usize) -> ops::PagedStore {
@@ -99,7 +167,7 @@ impl PagedKv {
             layer_off: layer * self.block_size * self.kv_dim,
         }
     }
-    /// Float offset of position `pos` of layer `layer` for a sequence with block table `table`.
+    /// Element offset of position `pos` of layer `layer` for a sequence with block table `table`.
     fn slot(&self, layer: usize, table: &[u32], pos: usize) -> usize {
         table[pos / self.block_size] as usize * self.block_stride()
             + (layer * self.block_size + pos % self.block_size) * self.kv_dim
@@ -313,6 +381,21 @@ impl Llama {
         self.embed.info.dtype
     }
 
+    /// How this model's keys and values are best stored: bf16 with bf16 weights (half the
+    /// attention traffic), else f32. `THAW_KV_DTYPE=f32|bf16` overrides (for measurements).
+    pub fn kv_dtype(&self) -> KvDtype {
+        match std::env::var("THAW_KV_DTYPE").as_deref() {
+            Ok("f32") => return KvDtype::F32,
+            Ok("bf16") => return KvDtype::Bf16,
+            _ => {}
+        }
+        if self.weight_dtype() == Dtype::BF16 {
+            KvDtype::Bf16
+        } else {
+            KvDtype::F32
+        }
+    }
+
     /// How the weights were loaded (strategy, fallback, phase times).
     pub fn load_stats(&self) -> &LoadStats {
         &self.weights.stats
@@ -327,6 +410,9 @@ impl Llama {
         all_logits: bool,
     ) -> Result<Vec<f32>, RuntimeError> {
         let end = cache.len + tokens.len();
+        if cache.kv.blocks() == 0 && cache.kv.dtype() != self.kv_dtype() {
+            cache.kv = PagedKv::with_dtype(&self.cfg, cache.kv.block_size(), 0, self.kv_dtype());
+        }
         let need = end.div_ceil(cache.kv.block_size());
         if end <= self.cfg.max_position_embeddings && need > cache.table.len() {
             cache.kv.grow(need);
@@ -464,14 +550,14 @@ impl Llama {
                 ops::rope(&mut q[t * qd..(t + 1) * qd], hd, c, s);
                 ops::rope(&mut k[t * kvd..(t + 1) * kvd], hd, c, s);
                 let at = kv.slot(li, seqs[i].table, pos);
-                kv.k[at..at + kvd].copy_from_slice(&k[t * kvd..(t + 1) * kvd]);
-                kv.v[at..at + kvd].copy_from_slice(&v[t * kvd..(t + 1) * kvd]);
+                kv.k.write(at, &k[t * kvd..(t + 1) * kvd]);
+                kv.v.write(at, &v[t * kvd..(t + 1) * kvd]);
             }
             ops::paged_attention(
                 pool,
                 &q,
-                &kv.k,
-                &kv.v,
+                kv.k.data(),
+                kv.v.data(),
                 &prows,
                 kv.store(li),
                 shape,

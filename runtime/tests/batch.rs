@@ -60,7 +60,7 @@ fn sixteen_requests_batched_and_chunked_match_each_alone() {
 
     let bs = 16;
     let mut blocks = BlockManager::new(64, bs);
-    let mut kv = PagedKv::new(&m.cfg, bs, 64);
+    let mut kv = PagedKv::with_dtype(&m.cfg, bs, 64, m.kv_dtype());
     let mut live: Vec<Live> = prompts
         .iter()
         .map(|p| Live {
