@@ -80,6 +80,11 @@ impl AlignedBuf {
         self.len == 0
     }
 
+    /// Start of the region (for code that hands out disjoint parts to different threads).
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: ptr is valid for len bytes of (zero-initialized) mapping, or dangling with len 0.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }

@@ -10,6 +10,8 @@
 //!   [`Destination::max_regions`] caps reads in flight at the ring's size so a read never waits
 //!   for a buffer that only its own completion could free.
 
+use std::sync::Arc;
+
 use crate::plan::{Chunk, LoadPlan};
 use crate::{AlignedBuf, LoadError};
 
@@ -29,10 +31,12 @@ pub trait Destination: Sync {
     fn landed(&self, i: usize, chunk: &Chunk, len: u64) -> Result<(), LoadError>;
 }
 
-/// Host memory: one huge-page arena per shard mirroring its block-aligned data range.
+/// Host memory: one huge-page arena per shard mirroring its block-aligned data range. The arenas
+/// are shared (`Arc`): a streaming load hands them to the model while its reader thread keeps a
+/// [`HostArena::share`] of them to fill — disjoint chunks, each published only once landed.
 #[derive(Default)]
 pub struct HostArena {
-    arenas: Vec<AlignedBuf>,
+    arenas: Vec<Arc<AlignedBuf>>,
     bases: Vec<usize>,
     aligned_start: Vec<u64>,
 }
@@ -45,8 +49,17 @@ impl HostArena {
         HostArena::default()
     }
 
-    pub fn into_arenas(self) -> Vec<AlignedBuf> {
+    pub fn into_arenas(self) -> Vec<Arc<AlignedBuf>> {
         self.arenas
+    }
+
+    /// Another handle on the same (prepared) arenas.
+    pub fn share(&self) -> HostArena {
+        HostArena {
+            arenas: self.arenas.clone(),
+            bases: self.bases.clone(),
+            aligned_start: self.aligned_start.clone(),
+        }
     }
 
     /// Address of chunk `c`'s region.
@@ -57,16 +70,15 @@ impl HostArena {
 
 impl Destination for HostArena {
     fn prepare(&mut self, plan: &LoadPlan) -> Result<(), LoadError> {
+        if !self.arenas.is_empty() {
+            return Ok(()); // a share of arenas prepared (for this plan) by the original
+        }
         self.arenas = plan
             .shards
             .iter()
-            .map(|s| AlignedBuf::zeroed(s.aligned_len as usize))
+            .map(|s| Arc::new(AlignedBuf::zeroed(s.aligned_len as usize)))
             .collect();
-        self.bases = self
-            .arenas
-            .iter_mut()
-            .map(|a| a.as_mut_slice().as_mut_ptr() as usize)
-            .collect();
+        self.bases = self.arenas.iter().map(|a| a.as_ptr() as usize).collect();
         self.aligned_start = plan.shards.iter().map(|s| s.aligned_start).collect();
         Ok(())
     }

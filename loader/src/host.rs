@@ -60,14 +60,36 @@ impl HostWeights {
         })
     }
 
+    /// Weights whose backing is being filled elsewhere (a streaming load).
+    pub(crate) fn from_parts(
+        checkpoint: Checkpoint,
+        backing: Vec<Backing>,
+        data_offset: Vec<u64>,
+        stats: LoadStats,
+    ) -> HostWeights {
+        HostWeights {
+            checkpoint,
+            backing,
+            data_offset,
+            stats,
+        }
+    }
+
+    /// Address of a tensor's first byte (no borrow of its bytes: for alignment checks while
+    /// a streaming load may still be writing them).
+    pub fn addr(&self, e: &crate::TensorEntry) -> usize {
+        let base = self.data_offset[e.shard] as usize;
+        self.backing[e.shard].range(0, 0).as_ptr() as usize + base + e.info.begin as usize
+    }
+
     /// The bytes of a tensor found earlier with [`Checkpoint::get`] / [`Checkpoint::expect`].
     pub fn view<'a>(&'a self, e: &'a crate::TensorEntry) -> TensorView<'a> {
         let base = self.data_offset[e.shard] as usize;
-        let bytes = self.backing[e.shard].bytes();
         TensorView {
             dtype: e.info.dtype,
             shape: &e.info.shape,
-            bytes: &bytes[base + e.info.begin as usize..base + e.info.end as usize],
+            bytes: self.backing[e.shard]
+                .range(base + e.info.begin as usize, base + e.info.end as usize),
         }
     }
 

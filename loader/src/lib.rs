@@ -33,6 +33,7 @@ pub mod manifest;
 pub mod plan;
 pub mod read;
 pub mod safetensors;
+pub mod stream;
 
 pub use arena::AlignedBuf;
 pub use checkpoint::{Checkpoint, TensorEntry};
@@ -44,3 +45,4 @@ pub use manifest::Manifest;
 pub use plan::LoadPlan;
 pub use read::{LoadOptions, LoadStats, Progress, Strategy, Verify};
 pub use safetensors::{ShardHeader, TensorInfo};
+pub use stream::{load_streaming, LayerGate, Streaming};

@@ -130,15 +130,21 @@ pub struct Progress {
 
 /// Where a shard's bytes live once loaded.
 pub enum Backing {
-    Arena(AlignedBuf),
+    Arena(std::sync::Arc<AlignedBuf>),
     Map(memmap2::Mmap),
 }
 
 impl Backing {
-    pub fn bytes(&self) -> &[u8] {
+    /// Bytes `start..end`. Only this range is borrowed: during a streaming load other ranges of
+    /// an arena may still be written by the reader thread.
+    pub fn range(&self, start: usize, end: usize) -> &[u8] {
         match self {
-            Backing::Arena(a) => a.as_slice(),
-            Backing::Map(m) => m,
+            Backing::Arena(a) => {
+                assert!(start <= end && end <= a.len(), "range outside the arena");
+                // SAFETY: inside the arena (checked); the caller only asks for landed ranges.
+                unsafe { std::slice::from_raw_parts(a.as_ptr().add(start), end - start) }
+            }
+            Backing::Map(m) => &m[start..end],
         }
     }
 }
@@ -253,15 +259,15 @@ pub struct Loaded {
 }
 
 /// Everything a strategy needs besides the destination.
-struct Job<'a> {
-    plan: LoadPlan,
+pub(crate) struct Job {
+    pub(crate) plan: LoadPlan,
     expected: Option<Vec<String>>,
-    opts: &'a LoadOptions,
-    stats: LoadStats,
+    opts: LoadOptions,
+    pub(crate) stats: LoadStats,
     t0: Instant,
 }
 
-fn begin<'a>(ck: &Checkpoint, opts: &'a LoadOptions) -> Result<Job<'a>, LoadError> {
+pub(crate) fn begin(ck: &Checkpoint, opts: &LoadOptions) -> Result<Job, LoadError> {
     let t0 = Instant::now();
     let manifest = match opts.verify {
         Verify::Off => None,
@@ -293,7 +299,7 @@ fn begin<'a>(ck: &Checkpoint, opts: &'a LoadOptions) -> Result<Job<'a>, LoadErro
     Ok(Job {
         plan,
         expected,
-        opts,
+        opts: opts.clone(),
         stats,
         t0,
     })
@@ -301,9 +307,9 @@ fn begin<'a>(ck: &Checkpoint, opts: &'a LoadOptions) -> Result<Job<'a>, LoadErro
 
 /// Runs `strategy` (uring-direct or pread) into `dest`, falling back from uring-direct to pread
 /// when the system refuses it. Returns the strategy used.
-fn read_into(
+pub(crate) fn read_into(
     ck: &Checkpoint,
-    job: &mut Job<'_>,
+    job: &mut Job,
     mut strategy: Strategy,
     dest: &mut dyn Destination,
     progress: &mut dyn FnMut(Progress),
@@ -326,7 +332,7 @@ fn read_into(
             ),
             _ => load_uring(
                 &job.plan,
-                job.opts,
+                &job.opts,
                 expected,
                 &*dest,
                 &mut tracker,
@@ -350,7 +356,7 @@ fn read_into(
     Ok(strategy)
 }
 
-fn finish(job: &mut Job<'_>, strategy: Strategy) {
+pub(crate) fn finish(job: &mut Job, strategy: Strategy) {
     job.stats.strategy = strategy.name().to_string();
     job.stats.total_s = job.t0.elapsed().as_secs_f64();
 }

@@ -251,3 +251,49 @@ fn missing_shard_and_bad_index_are_errors() {
     let err = Checkpoint::open(d.path()).err().unwrap().to_string();
     assert!(err.contains("malformed index"), "{err}");
 }
+
+/// A streaming load hands out the weights at once; after waiting for each layer group in order,
+/// every tensor equals what a blocking load gives, and the reader reports its stats. A corrupt
+/// byte (with a manifest) fails the gate for every waiter past it and the reader's result.
+#[test]
+fn streaming_load_publishes_layers_in_order_and_fails_waiters_on_bad_bytes() {
+    let d = tempfile::tempdir().unwrap();
+    let tensors = checkpoint(d.path(), 6, 40_000);
+    for s in [Strategy::UringDirect, Strategy::Pread, Strategy::Mmap] {
+        let st = thaw_loader::load_streaming(
+            Checkpoint::open(d.path()).unwrap(),
+            &opts(s, Verify::Auto),
+        )
+        .unwrap();
+        let groups = st.gate.groups();
+        assert_eq!(groups, 6 + 2, "{s:?}");
+        for g in 0..groups {
+            st.gate.wait(g).unwrap();
+        }
+        for (name, want) in &tensors {
+            let v = st.weights.tensor(name).unwrap();
+            assert_eq!(v.as_f32().unwrap(), &want[..], "{s:?} {name}");
+        }
+        let stats = st.done.join().unwrap().unwrap();
+        assert_eq!(stats.bytes, st.weights.stats.bytes);
+    }
+    Manifest::build(&Checkpoint::open(d.path()).unwrap(), 64 << 10)
+        .unwrap()
+        .write(d.path())
+        .unwrap();
+    let p = d.path().join("model.safetensors");
+    let mut bytes = std::fs::read(&p).unwrap();
+    let at = bytes.len() / 2;
+    bytes[at] ^= 0x40;
+    std::fs::write(&p, bytes).unwrap();
+    for s in [Strategy::UringDirect, Strategy::Pread] {
+        let st = thaw_loader::load_streaming(
+            Checkpoint::open(d.path()).unwrap(),
+            &opts(s, Verify::Auto),
+        )
+        .unwrap();
+        let err = st.gate.wait(usize::MAX).unwrap_err();
+        assert!(err.contains("integrity check failed"), "{s:?}: {err}");
+        assert!(st.done.join().unwrap().is_err());
+    }
+}

@@ -212,6 +212,10 @@ struct ServeArgs {
     /// In-flight requests one replica should carry (for desired_replicas and scale hints).
     #[arg(long, default_value_t = 16)]
     target_concurrency: usize,
+    /// Accept requests while the weights are still loading: a request's forward pass uses
+    /// layer i as soon as layer i has landed (/ready still waits for the whole load).
+    #[arg(long)]
+    serve_while_loading: bool,
 }
 
 fn parse_after(s: &str) -> Result<AfterDrain, String> {
@@ -321,6 +325,7 @@ fn run(cli: Cli) -> Result<()> {
                 webhook_url: a.autoscaler_webhook.clone(),
                 webhook_secret: a.webhook_secret.clone(),
                 target_concurrency: a.target_concurrency,
+                serve_while_loading: a.serve_while_loading,
                 load: a.load.options(),
             })?;
         }

@@ -7,6 +7,7 @@
 //! weight matrix is read once per block.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use thaw_kernels::ops::{self, AttnShape};
 use thaw_kernels::{matmul, Matrix, ThreadPool, Weights};
@@ -18,16 +19,35 @@ use crate::{ModelConfig, RuntimeError};
 
 const MATRIX_DTYPES: &[Dtype] = &[Dtype::BF16, Dtype::F16, Dtype::F32];
 
+/// A norm weight or bias, widened to f32 on first use (at load, or — when the load streams —
+/// once its layer has landed).
+struct Vec32 {
+    entry: TensorEntry,
+    v: std::sync::OnceLock<Vec<f32>>,
+}
+
+impl Vec32 {
+    fn new(entry: TensorEntry) -> Vec32 {
+        Vec32 {
+            entry,
+            v: std::sync::OnceLock::new(),
+        }
+    }
+    fn get(&self, w: &HostWeights) -> &[f32] {
+        self.v.get_or_init(|| widen(w.view(&self.entry)))
+    }
+}
+
 struct Layer {
-    attn_norm: Vec<f32>,
+    attn_norm: Vec32,
     q: TensorEntry,
     k: TensorEntry,
     v: TensorEntry,
-    q_bias: Option<Vec<f32>>,
-    k_bias: Option<Vec<f32>>,
-    v_bias: Option<Vec<f32>>,
+    q_bias: Option<Vec32>,
+    k_bias: Option<Vec32>,
+    v_bias: Option<Vec32>,
     o: TensorEntry,
-    mlp_norm: Vec<f32>,
+    mlp_norm: Vec32,
     gate: TensorEntry,
     up: TensorEntry,
     down: TensorEntry,
@@ -38,9 +58,11 @@ pub struct Llama {
     weights: HostWeights,
     embed: TensorEntry,
     layers: Vec<Layer>,
-    norm: Vec<f32>,
+    norm: Vec32,
     lm_head: TensorEntry,
     inv_freq: Vec<f64>,
+    /// While a streaming load is in progress: which layer groups may be read yet.
+    gate: Option<Arc<thaw_loader::LayerGate>>,
 }
 
 /// Keys and values of every layer in fixed-size blocks, laid out `[block][layer][slot][kv_dim]`:
@@ -258,6 +280,43 @@ impl Llama {
         opts: &LoadOptions,
         progress: &mut dyn FnMut(Progress),
     ) -> Result<Llama, RuntimeError> {
+        Self::build(dir, |ck| {
+            Ok((HostWeights::load_with(ck, opts, progress)?, None))
+        })
+    }
+
+    /// Starts loading and returns the model at once: a forward pass waits, layer by layer, for
+    /// the weights it needs (so a first request's prefill overlaps the rest of the load). The
+    /// handle gives the load's final stats, or its error (which also fails any forward pass
+    /// still waiting).
+    pub fn load_streaming(
+        dir: &Path,
+        opts: &LoadOptions,
+    ) -> Result<
+        (
+            Llama,
+            std::thread::JoinHandle<Result<LoadStats, thaw_loader::LoadError>>,
+        ),
+        RuntimeError,
+    > {
+        let mut done = None;
+        let model = Self::build(dir, |ck| {
+            let s = thaw_loader::load_streaming(ck, opts)?;
+            done = Some(s.done);
+            Ok((s.weights, Some(s.gate)))
+        })?;
+        let done = done.ok_or_else(|| RuntimeError::Config("the load did not start".into()))?;
+        Ok((model, done))
+    }
+
+    /// Validates `dir`'s config and tensors, then gets the weights from `load`.
+    fn build(
+        dir: &Path,
+        load: impl FnOnce(
+            Checkpoint,
+        )
+            -> Result<(HostWeights, Option<Arc<thaw_loader::LayerGate>>), RuntimeError>,
+    ) -> Result<Llama, RuntimeError> {
         let cfg = ModelConfig::load(dir)?;
         let ck = Checkpoint::open(dir)?;
         let (h, ffn, vocab) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
@@ -288,7 +347,7 @@ impl Llama {
             }
             pending.push(Pending {
                 l: Layer {
-                    attn_norm: vec![],
+                    attn_norm: Vec32::new(vecs[0].1.clone()),
                     q: mat(&p("self_attn.q_proj.weight"), [qd, h])?,
                     k: mat(&p("self_attn.k_proj.weight"), [kvd, h])?,
                     v: mat(&p("self_attn.v_proj.weight"), [kvd, h])?,
@@ -296,7 +355,7 @@ impl Llama {
                     k_bias: None,
                     v_bias: None,
                     o: mat(&p("self_attn.o_proj.weight"), [h, qd])?,
-                    mlp_norm: vec![],
+                    mlp_norm: Vec32::new(vecs[1].1.clone()),
                     gate: mat(&p("mlp.gate_proj.weight"), [ffn, h])?,
                     up: mat(&p("mlp.up_proj.weight"), [ffn, h])?,
                     down: mat(&p("mlp.down_proj.weight"), [h, ffn])?,
@@ -305,16 +364,12 @@ impl Llama {
             });
         }
         let norm_entry = vec_entry("model.norm.weight", h)?;
-        let weights = HostWeights::load_with(ck, opts, progress)?;
+        let (weights, gate) = load(ck)?;
         // Kernels take typed slices: every matrix must sit at an address aligned for its dtype.
+        // (Checked on the address: a streaming load may still be writing the bytes.)
         let check = |e: &TensorEntry| -> Result<(), RuntimeError> {
-            let v = weights.view(e);
-            let ok = if v.dtype == Dtype::F32 {
-                v.as_f32().is_some()
-            } else {
-                v.as_u16().is_some()
-            };
-            if ok {
+            let align = if e.info.dtype == Dtype::F32 { 4 } else { 2 };
+            if weights.addr(e) % align == 0 {
                 Ok(())
             } else {
                 Err(RuntimeError::Config(format!(
@@ -334,8 +389,8 @@ impl Llama {
             ] {
                 check(e)?;
             }
-            for (slot, e) in &p.vecs {
-                let v = widen(weights.view(e));
+            for (slot, e) in p.vecs {
+                let v = Vec32::new(e);
                 match slot {
                     0 => p.l.attn_norm = v,
                     1 => p.l.mlp_norm = v,
@@ -346,7 +401,25 @@ impl Llama {
             }
             layers.push(p.l);
         }
-        let norm = widen(weights.view(&norm_entry));
+        let norm = Vec32::new(norm_entry);
+        if gate.is_none() {
+            // Everything is in memory: widen now, as part of the load.
+            for l in &layers {
+                for x in [
+                    Some(&l.attn_norm),
+                    Some(&l.mlp_norm),
+                    l.q_bias.as_ref(),
+                    l.k_bias.as_ref(),
+                    l.v_bias.as_ref(),
+                ]
+                .into_iter()
+                .flatten()
+                {
+                    x.get(&weights);
+                }
+            }
+            norm.get(&weights);
+        }
         let hd = cfg.head_dim();
         let inv_freq = (0..hd / 2)
             .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f64 / hd as f64))
@@ -359,6 +432,7 @@ impl Llama {
             norm,
             lm_head,
             inv_freq,
+            gate,
         })
     }
 
@@ -379,6 +453,21 @@ impl Llama {
     /// The dtype the weights are stored (and streamed) in.
     pub fn weight_dtype(&self) -> Dtype {
         self.embed.info.dtype
+    }
+
+    /// Waits until layer group `g` (0 = embeddings, 1 + i = block i, the rest last) is loaded.
+    fn wait_for(&self, g: usize) -> Result<(), RuntimeError> {
+        match &self.gate {
+            Some(gate) => gate
+                .wait(g)
+                .map_err(|e| RuntimeError::Config(format!("loading the weights failed: {e}"))),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether every weight is in memory (always, except during a streaming load).
+    pub fn fully_loaded(&self) -> bool {
+        self.gate.as_ref().is_none_or(|g| g.ready() >= g.groups())
     }
 
     /// How this model's keys and values are best stored: bf16 with bf16 weights (half the
@@ -499,6 +588,7 @@ impl Llama {
             .collect();
 
         let mut x = vec![0f32; n * h];
+        self.wait_for(0)?;
         let embed = matrix(w, &self.embed);
         for (t, &id) in seqs.iter().flat_map(|sq| sq.tokens.iter()).enumerate() {
             embed.row_f32(id as usize, &mut x[t * h..(t + 1) * h]);
@@ -521,7 +611,8 @@ impl Llama {
         let mut o = vec![0f32; n * h];
         let (mut g, mut u) = (vec![0f32; n * ffn], vec![0f32; n * ffn]);
         for (li, l) in self.layers.iter().enumerate() {
-            ops::rmsnorm(&x, &l.attn_norm, cfg.rms_norm_eps as f32, &mut xn);
+            self.wait_for(1 + li)?;
+            ops::rmsnorm(&x, l.attn_norm.get(w), cfg.rms_norm_eps as f32, &mut xn);
             matmul(
                 pool,
                 &xn,
@@ -537,7 +628,7 @@ impl Llama {
                 (&mut k, &l.k_bias, kvd),
                 (&mut v, &l.v_bias, kvd),
             ] {
-                if let Some(b) = bias {
+                if let Some(b) = bias.as_ref().map(|b| b.get(w)) {
                     buf.chunks_exact_mut(dim)
                         .for_each(|r| ops::add_inplace(r, b));
                 }
@@ -566,7 +657,7 @@ impl Llama {
             matmul(pool, &att, n, &mut [(matrix(w, &l.o), &mut o)]);
             ops::add_inplace(&mut x, &o);
 
-            ops::rmsnorm(&x, &l.mlp_norm, cfg.rms_norm_eps as f32, &mut xn);
+            ops::rmsnorm(&x, l.mlp_norm.get(w), cfg.rms_norm_eps as f32, &mut xn);
             matmul(
                 pool,
                 &xn,
@@ -594,7 +685,13 @@ impl Llama {
             last[j * h..(j + 1) * h].copy_from_slice(&x[r * h..(r + 1) * h]);
         }
         let mut normed = vec![0f32; picked.len() * h];
-        ops::rmsnorm(&last, &self.norm, cfg.rms_norm_eps as f32, &mut normed);
+        self.wait_for(usize::MAX)?;
+        ops::rmsnorm(
+            &last,
+            self.norm.get(w),
+            cfg.rms_norm_eps as f32,
+            &mut normed,
+        );
         let mut logits = vec![0f32; picked.len() * cfg.vocab_size];
         matmul(
             pool,

@@ -422,3 +422,51 @@ fn webhook_gets_scale_hints() {
         !events("scale_down").is_empty() && events("state").iter().any(|v| v["state"] == "parked")
     });
 }
+
+/// Evicts the model's weight files from the page cache, so the next load reads them from disk
+/// (streamed) instead of mapping them in place.
+fn evict_weights(dir: &std::path::Path) {
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "safetensors") {
+            let f = std::fs::File::open(&p).unwrap();
+            use std::os::fd::AsRawFd;
+            // SAFETY: advisory call on an open descriptor.
+            unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        }
+    }
+}
+
+#[test]
+fn serving_while_loading_gives_the_same_answer() {
+    let dir = model_dir("default");
+    let body = json!({"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0,
+                      "ignore_eos": true});
+    let want: Value = {
+        let s = Server::ready(&[]);
+        client()
+            .post(s.url("/invoke"))
+            .json(&body)
+            .send()
+            .unwrap()
+            .json()
+            .unwrap()
+    };
+    evict_weights(&dir);
+    let s = Server::spawn(&["--lazy", "--serve-while-loading"]);
+    let r = client().post(s.url("/invoke")).json(&body).send().unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let v: Value = r.json().unwrap();
+    assert_eq!(v["text"], want["text"], "{v}");
+    assert_eq!(v["cold_start"], true);
+    assert!(s.log().contains("serving while loading"), "{}", s.log());
+    s.wait_ready();
+    let v: Value = client()
+        .post(s.url("/invoke"))
+        .json(&body)
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
+    assert_eq!(v["text"], want["text"]);
+}

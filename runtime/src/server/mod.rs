@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use axum::Router;
-use thaw_loader::LoadOptions;
+use thaw_loader::{LoadOptions, LoadStats};
 
 use crate::engine::{Engine, EngineConfig, Request};
 use crate::sampling::SamplingParams;
@@ -82,9 +82,17 @@ pub struct ServeOptions {
     pub webhook_secret: Option<String>,
     /// In-flight requests one replica should carry (autoscaler hints).
     pub target_concurrency: usize,
+    /// Start serving before the weights have all landed (forward passes wait layer by layer).
+    pub serve_while_loading: bool,
 }
 
-fn load_worker(o: &ServeOptions) -> Result<(Worker, ColdStart), RuntimeError> {
+/// The reader thread of a streaming load: final stats, or the load's error.
+pub(crate) type LoadDone = std::thread::JoinHandle<Result<LoadStats, thaw_loader::LoadError>>;
+
+/// Loads the model, tokenizer and engine. With `serve_while_loading` it returns as soon as the
+/// weights' arenas exist (no warm-up: the first request's forward pass waits layer by layer),
+/// along with the reader thread to join.
+fn load_worker(o: &ServeOptions) -> Result<(Worker, ColdStart, Option<LoadDone>), RuntimeError> {
     let mut cs = ColdStart::new();
     let t = Instant::now();
     let _ = thaw_kernels::ThreadPool::global();
@@ -97,7 +105,11 @@ fn load_worker(o: &ServeOptions) -> Result<(Worker, ColdStart), RuntimeError> {
             let t = Instant::now();
             TextTokenizer::load(&o.model_dir).map(|tk| (tk, t.elapsed().as_secs_f64()))
         });
-        let model = Llama::load_with(&o.model_dir, &o.load);
+        let model = if o.serve_while_loading {
+            Llama::load_streaming(&o.model_dir, &o.load).map(|(m, d)| (m, Some(d)))
+        } else {
+            Llama::load_with(&o.model_dir, &o.load).map(|m| (m, None))
+        };
         let tok = tok.join().unwrap_or_else(|_| {
             Err(RuntimeError::Tokenizer(
                 "the tokenizer thread panicked".into(),
@@ -105,18 +117,12 @@ fn load_worker(o: &ServeOptions) -> Result<(Worker, ColdStart), RuntimeError> {
         });
         (model, tok)
     });
-    let model = Arc::new(model?);
+    let (model, done) = model?;
+    let model = Arc::new(model);
     let (tok, tok_s) = tok?;
     let st = model.load_stats().clone();
-    cs.push("plan", st.plan_s);
-    cs.push("read", st.io_s);
-    cs.push("copy", 0.0);
-    cs.push("verify", st.verify_s);
-    if let Some(reason) = &model.load_stats().fallback {
-        log(format_args!(
-            "note: loaded with {} instead: {reason}",
-            model.load_stats().strategy
-        ));
+    if done.is_none() {
+        cs.push_load(&st);
     }
     // Overlapped with plan/read/verify: not on the critical path unless it is the longest.
     cs.push("tokenizer", tok_s);
@@ -131,36 +137,49 @@ fn load_worker(o: &ServeOptions) -> Result<(Worker, ColdStart), RuntimeError> {
     // first real request does not pay for first touches (a second pass measured ~20 ms more
     // and warmed nothing the first had not).
     let t1 = Instant::now();
-    let warm = tok.encode("Hello", false)?;
-    let (_, end) = engine
-        .submit(Request {
-            prompt: warm,
-            max_tokens: 1,
-            sampling: SamplingParams::default(),
-            stop_ids: vec![],
-            ignore_eos: true,
-        })
-        .collect();
-    if let crate::engine::Event::Error(e) = end {
-        return Err(RuntimeError::Request(format!("warmup failed: {e}")));
+    if done.is_none() {
+        let warm = tok.encode("Hello", false)?;
+        let (_, end) = engine
+            .submit(Request {
+                prompt: warm,
+                max_tokens: 1,
+                sampling: SamplingParams::default(),
+                stop_ids: vec![],
+                ignore_eos: true,
+            })
+            .collect();
+        if let crate::engine::Event::Error(e) = end {
+            return Err(RuntimeError::Request(format!("warmup failed: {e}")));
+        }
+        cs.push("warmup", t1.elapsed().as_secs_f64());
     }
-    cs.push("warmup", t1.elapsed().as_secs_f64());
     let max_seq = model
         .cfg
         .max_position_embeddings
         .min(engine.max_tokens_per_request());
-    METRICS.load_seconds.set(load_s);
     METRICS.load_bytes.set(st.bytes as i64);
-    log(format_args!(
-        "loaded {} ({:.0} MB, {}) in {:.0} ms, warmed up in {:.0} ms; {} KV blocks of {} tokens",
-        o.model_dir.display(),
-        st.bytes as f64 / 1e6,
-        st.strategy,
-        load_s * 1e3,
-        t1.elapsed().as_secs_f64() * 1e3,
-        engine.config().num_blocks,
-        engine.config().block_size,
-    ));
+    if done.is_none() {
+        METRICS.load_seconds.set(load_s);
+        log(format_args!(
+            "loaded {} ({:.0} MB, {}) in {:.0} ms, warmed up in {:.0} ms; {} KV blocks of {} tokens",
+            o.model_dir.display(),
+            st.bytes as f64 / 1e6,
+            st.strategy,
+            load_s * 1e3,
+            t1.elapsed().as_secs_f64() * 1e3,
+            engine.config().num_blocks,
+            engine.config().block_size,
+        ));
+    } else {
+        log(format_args!(
+            "serving while loading {} ({:.0} MB) after {:.0} ms; {} KV blocks of {} tokens",
+            o.model_dir.display(),
+            st.bytes as f64 / 1e6,
+            load_s * 1e3,
+            engine.config().num_blocks,
+            engine.config().block_size,
+        ));
+    }
     Ok((
         Worker {
             model,
@@ -172,6 +191,7 @@ fn load_worker(o: &ServeOptions) -> Result<(Worker, ColdStart), RuntimeError> {
             load_s,
         },
         cs,
+        done,
     ))
 }
 

@@ -223,7 +223,7 @@ impl App {
                 let t = Instant::now();
                 let r = tokio::task::spawn_blocking(move || super::load_worker(&opts)).await;
                 match r {
-                    Ok(Ok((w, mut cs))) => {
+                    Ok(Ok((w, mut cs, None))) => {
                         cs.set_total(t.elapsed().as_secs_f64());
                         log(format_args!("cold start: {}", cs.summary()));
                         cs.publish();
@@ -232,6 +232,36 @@ impl App {
                         *app.worker.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(w));
                         app.touch(); // the idle clock starts when the worker is ready
                         app.set_state(State::Ready);
+                    }
+                    Ok(Ok((w, mut cs, Some(done)))) => {
+                        // Serving while loading: requests may start now; /ready waits for the
+                        // last byte.
+                        cs.set_total(t.elapsed().as_secs_f64());
+                        *app.cold_start.lock().unwrap_or_else(|e| e.into_inner()) = Some(cs);
+                        app.first_token_pending.store(true, SeqCst);
+                        *app.worker.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(w));
+                        app.state.send_modify(|_| {}); // wake the requests waiting for it
+                        match tokio::task::spawn_blocking(move || done.join()).await {
+                            Ok(Ok(Ok(st))) => {
+                                let total = t.elapsed().as_secs_f64();
+                                if let Some(cs) = app
+                                    .cold_start
+                                    .lock()
+                                    .unwrap_or_else(|e| e.into_inner())
+                                    .as_mut()
+                                {
+                                    cs.push_load(&st);
+                                    cs.load_s = total;
+                                    cs.publish();
+                                    log(format_args!("cold start: {}", cs.summary()));
+                                }
+                                METRICS.load_seconds.set(total);
+                                app.touch();
+                                app.set_state(State::Ready);
+                            }
+                            Ok(Ok(Err(e))) => app.fail(e.to_string()),
+                            _ => app.fail("the load thread panicked".into()),
+                        }
                     }
                     Ok(Err(e)) => app.fail(e.to_string()),
                     Err(e) => app.fail(format!("the load task failed: {e}")),
@@ -259,11 +289,17 @@ impl App {
         let t = Instant::now();
         let mut rx = self.state.subscribe();
         self.prewarm();
+        // Ready, or (serving while loading) a worker installed during the load.
         let _ = rx
-            .wait_for(|s| !matches!(s, State::Cold | State::Loading | State::Parked))
+            .wait_for(|s| {
+                !matches!(s, State::Cold | State::Loading | State::Parked)
+                    || (*s == State::Loading && self.loaded().is_some())
+            })
             .await;
         match (self.state(), self.loaded()) {
-            (State::Ready | State::Draining, Some(w)) => Ok((w, Some(t.elapsed().as_secs_f64()))),
+            (State::Ready | State::Draining | State::Loading, Some(w)) => {
+                Ok((w, Some(t.elapsed().as_secs_f64())))
+            }
             (s, _) => Err(ApiError::unavailable(format!(
                 "the worker is {}",
                 s.as_str()

@@ -86,6 +86,14 @@ impl ColdStart {
         self.phases.push((phase, secs));
     }
 
+    /// The loader's phases from its stats.
+    pub fn push_load(&mut self, st: &thaw_loader::LoadStats) {
+        self.push("plan", st.plan_s);
+        self.push("read", st.io_s);
+        self.push("copy", 0.0);
+        self.push("verify", st.verify_s);
+    }
+
     pub fn set_total(&mut self, load_s: f64) {
         self.load_s = load_s;
         self.ready_at = Instant::now();
