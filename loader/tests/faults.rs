@@ -52,6 +52,20 @@ fn checkpoint(dir: &Path, layers: usize, per_tensor: usize) -> Vec<(String, Vec<
     t
 }
 
+/// Writes the integrity manifest, then flips one byte well inside the data; returns its offset.
+fn write_manifest_then_flip_a_byte(dir: &Path) -> usize {
+    Manifest::build(&Checkpoint::open(dir).unwrap(), 64 << 10)
+        .unwrap()
+        .write(dir)
+        .unwrap();
+    let p = dir.join("model.safetensors");
+    let mut bytes = std::fs::read(&p).unwrap();
+    let at = bytes.len() / 2;
+    bytes[at] ^= 0x40;
+    std::fs::write(&p, bytes).unwrap();
+    at
+}
+
 fn opts(strategy: Strategy, verify: Verify) -> LoadOptions {
     LoadOptions {
         strategy,
@@ -109,16 +123,7 @@ fn every_strategy_loads_identical_tensors_in_layer_order() {
 fn manifest_mismatch_names_shard_and_range() {
     let d = tempfile::tempdir().unwrap();
     checkpoint(d.path(), 4, 50_000);
-    Manifest::build(&Checkpoint::open(d.path()).unwrap(), 64 << 10)
-        .unwrap()
-        .write(d.path())
-        .unwrap();
-    // Flip one byte well inside the data.
-    let p = d.path().join("model.safetensors");
-    let mut bytes = std::fs::read(&p).unwrap();
-    let at = bytes.len() / 2;
-    bytes[at] ^= 0x40;
-    std::fs::write(&p, bytes).unwrap();
+    let at = write_manifest_then_flip_a_byte(d.path());
     for s in STRATEGIES {
         let err = HostWeights::load_with(
             Checkpoint::open(d.path()).unwrap(),
@@ -277,15 +282,7 @@ fn streaming_load_publishes_layers_in_order_and_fails_waiters_on_bad_bytes() {
         let stats = st.done.join().unwrap().unwrap();
         assert_eq!(stats.bytes, st.weights.stats.bytes);
     }
-    Manifest::build(&Checkpoint::open(d.path()).unwrap(), 64 << 10)
-        .unwrap()
-        .write(d.path())
-        .unwrap();
-    let p = d.path().join("model.safetensors");
-    let mut bytes = std::fs::read(&p).unwrap();
-    let at = bytes.len() / 2;
-    bytes[at] ^= 0x40;
-    std::fs::write(&p, bytes).unwrap();
+    write_manifest_then_flip_a_byte(d.path());
     for s in [Strategy::UringDirect, Strategy::Pread] {
         let st = thaw_loader::load_streaming(
             Checkpoint::open(d.path()).unwrap(),
