@@ -21,6 +21,8 @@
 // SIMD tiles index several arrays by the same lane/row counter; iterators would obscure that.
 #![allow(clippy::needless_range_loop)]
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod isa;
 pub mod matmul;
 pub mod ops;

@@ -16,6 +16,7 @@
 pub mod chat;
 pub mod config;
 pub mod convert;
+pub mod device;
 pub mod engine;
 pub mod error;
 pub mod fetch;

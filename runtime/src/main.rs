@@ -8,6 +8,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use thaw_loader::{Checkpoint, LoadOptions, Manifest, Strategy, Verify};
 use thaw_runtime::convert::{convert, ConvertOptions, OutDtype};
+use thaw_runtime::device::{self, DeviceChoice};
 use thaw_runtime::fetch::{default_model, resolve_model};
 use thaw_runtime::server::state::AfterDrain;
 use thaw_runtime::server::ServeOptions;
@@ -81,6 +82,9 @@ struct LoadArgs {
     /// Verify the manifest: auto (when present), off, required.
     #[arg(long, default_value = "auto", value_parser = parse_verify)]
     verify: Verify,
+    /// Backend: cpu, cuda, auto.
+    #[arg(long, default_value = "auto")]
+    device: DeviceChoice,
 }
 
 impl LoadArgs {
@@ -303,6 +307,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Generate(a) => run_generate(a)?,
         Cmd::Serve(a) => {
+            device::resolve(a.load.device, &mut |n| eprintln!("note: {n}"))?;
             let dir = resolve_model(&a.model)?;
             thaw_runtime::server::serve(ServeOptions {
                 model_dir: dir,
@@ -344,6 +349,7 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn run_generate(a: GenerateArgs) -> Result<()> {
+    device::resolve(a.load.device, &mut |n| eprintln!("note: {n}"))?;
     let dir = resolve_model(&a.model)?;
     let t0 = Instant::now();
     let model = if std::io::stderr().is_terminal() {

@@ -446,3 +446,35 @@ fn refused_io_uring_falls_back_and_says_so() {
     assert_eq!(v["timings"]["load"]["strategy"], "pread");
     assert_eq!(v["text"], "The capital of France is Paris.");
 }
+
+#[test]
+fn device_flag_refuses_cuda_with_the_reason_and_auto_runs() {
+    model_dir("default");
+    let o = thaw(&[
+        "generate",
+        "--device",
+        "cuda",
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "2",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(
+        e.starts_with("error: --device cuda: ") && e.lines().count() == 1,
+        "{e}"
+    );
+    let o = thaw(&[
+        "generate",
+        "--device",
+        "auto",
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "2",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = thaw(&["generate", "--device", "tpu", "--prompt", "hi"]);
+    assert!(!o.status.success() && stderr(&o).contains("unknown device 'tpu'"));
+}
