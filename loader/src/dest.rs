@@ -4,9 +4,10 @@
 //! has landed and passed verification. What happens then is the destination's business:
 //! * [`HostArena`] (now): the memory *is* the final weight arena, so landing is a no-op and the
 //!   only work is faulting fresh huge pages in ahead of the reads ([`Destination::prefault`]).
-//! * A CUDA destination (the CUDA issue): `region` hands out one of a ring of pinned staging
-//!   buffers (blocking until one is free), `landed` queues the host-to-device copy on a copy
-//!   stream and records an event that frees the buffer — the next reads overlap the copy.
+//! * [`crate::StagingRing`] (for device memory): `region` hands out one of a ring of staging
+//!   buffers (waiting for its previous copy's event), `landed` queues the host-to-device copy on
+//!   a [`crate::CopyEngine`] — the next reads overlap the copy. The CUDA backend supplies pinned
+//!   buffers and a copy stream; the tests a fake asynchronous engine.
 //!   [`Destination::max_regions`] caps reads in flight at the ring's size so a read never waits
 //!   for a buffer that only its own completion could free.
 

@@ -33,6 +33,7 @@ pub mod manifest;
 pub mod plan;
 pub mod read;
 pub mod safetensors;
+pub mod staging;
 pub mod stream;
 
 pub use arena::AlignedBuf;
@@ -45,4 +46,5 @@ pub use manifest::Manifest;
 pub use plan::LoadPlan;
 pub use read::{LoadOptions, LoadStats, Progress, Strategy, Verify};
 pub use safetensors::{ShardHeader, TensorInfo};
+pub use staging::{CopyEngine, StagingBuf, StagingRing};
 pub use stream::{load_streaming, LayerGate, Streaming};

@@ -1,92 +1,115 @@
-//! The `Destination` seam the CUDA loader plugs into, exercised with a fake copy engine: a ring
-//! of two staging buffers, each "copied to the device" (a Vec) when its chunk lands, then reused.
+//! The staging ring the CUDA loader uses (`thaw_loader::StagingRing`), exercised with a fake copy
+//! engine whose copies are asynchronous: two staging buffers, each copied to the "device" (a Vec)
+//! after its chunk lands, and refilled only once that copy is done.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{mpsc, Arc, Condvar, Mutex};
 
-use thaw_loader::plan::{Chunk, LoadPlan};
+use thaw_loader::plan::LoadPlan;
 use thaw_loader::read::load_into;
 use thaw_loader::{
-    AlignedBuf, Checkpoint, Destination, LoadError, LoadOptions, Manifest, Strategy, Verify,
+    AlignedBuf, Checkpoint, CopyEngine, LoadError, LoadOptions, Manifest, StagingRing, Strategy,
+    Verify,
 };
 
-struct StagingRing {
-    bufs: Vec<Mutex<AlignedBuf>>,
-    ptrs: Vec<usize>,
-    free: Mutex<Vec<usize>>,
-    owner: Mutex<std::collections::HashMap<usize, usize>>,
-    device: Mutex<Vec<Vec<u8>>>,
-    aligned_start: Vec<u64>,
-    out: AtomicUsize,
-    max_out: AtomicUsize,
-    regions: AtomicUsize,
-    order: Mutex<Vec<usize>>,
+/// A fake device: copies run on a worker thread after a short delay (like a copy stream), into
+/// plain vectors. Each copy checks that its source bytes did not change between the request and
+/// the copy — i.e. that the ring never refilled a buffer whose copy was still pending.
+struct FakeGpu {
+    device: Arc<Mutex<Vec<Vec<u8>>>>,
+    jobs: Mutex<mpsc::Sender<Job>>,
+    copies: Arc<AtomicUsize>,
+    overwritten: Arc<AtomicUsize>,
+    order: Arc<Mutex<Vec<(usize, u64)>>>,
 }
 
-impl StagingRing {
-    fn new(n: usize, size: usize) -> StagingRing {
-        let mut bufs: Vec<AlignedBuf> = (0..n).map(|_| AlignedBuf::zeroed(size)).collect();
-        let ptrs = bufs
-            .iter_mut()
-            .map(|b| b.as_mut_slice().as_mut_ptr() as usize)
-            .collect();
-        StagingRing {
-            bufs: bufs.into_iter().map(Mutex::new).collect(),
-            ptrs,
-            free: Mutex::new((0..n).collect()),
-            owner: Default::default(),
-            device: Default::default(),
-            aligned_start: vec![],
-            out: AtomicUsize::new(0),
-            max_out: AtomicUsize::new(0),
-            regions: AtomicUsize::new(0),
-            order: Default::default(),
+type Done = Arc<(Mutex<bool>, Condvar)>;
+
+struct Job {
+    src: usize,
+    len: usize,
+    shard: usize,
+    dst: u64,
+    sum: u64,
+    done: Done,
+}
+
+fn sum(p: usize, len: usize) -> u64 {
+    // SAFETY: the test hands valid staging buffers of at least `len` bytes.
+    let b = unsafe { std::slice::from_raw_parts(p as *const u8, len) };
+    b.iter().enumerate().fold(0u64, |a, (i, &x)| {
+        a.wrapping_mul(31).wrapping_add(x as u64 ^ i as u64)
+    })
+}
+
+impl FakeGpu {
+    fn new() -> FakeGpu {
+        let (tx, rx) = mpsc::channel::<Job>();
+        let device: Arc<Mutex<Vec<Vec<u8>>>> = Default::default();
+        let (copies, overwritten) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let order: Arc<Mutex<Vec<(usize, u64)>>> = Default::default();
+        let (d, c, o, ord) = (
+            device.clone(),
+            copies.clone(),
+            overwritten.clone(),
+            order.clone(),
+        );
+        std::thread::spawn(move || {
+            for j in rx {
+                std::thread::sleep(std::time::Duration::from_micros(300));
+                if sum(j.src, j.len) != j.sum {
+                    o.fetch_add(1, Ordering::SeqCst);
+                }
+                // SAFETY: as in `sum`.
+                let src = unsafe { std::slice::from_raw_parts(j.src as *const u8, j.len) };
+                d.lock().unwrap()[j.shard][j.dst as usize..j.dst as usize + j.len]
+                    .copy_from_slice(src);
+                c.fetch_add(1, Ordering::SeqCst);
+                ord.lock().unwrap().push((j.shard, j.dst));
+                let (m, cv) = &*j.done;
+                *m.lock().unwrap() = true;
+                cv.notify_all();
+            }
+        });
+        FakeGpu {
+            device,
+            jobs: Mutex::new(tx),
+            copies,
+            overwritten,
+            order,
         }
     }
 }
 
-impl Destination for StagingRing {
+impl CopyEngine for FakeGpu {
+    type Event = Done;
     fn prepare(&mut self, plan: &LoadPlan) -> Result<(), LoadError> {
         *self.device.lock().unwrap() = plan
             .shards
             .iter()
             .map(|s| vec![0u8; s.aligned_len as usize])
             .collect();
-        self.aligned_start = plan.shards.iter().map(|s| s.aligned_start).collect();
         Ok(())
     }
-    fn max_regions(&self) -> usize {
-        self.bufs.len()
+    fn copy(&self, src: *const u8, len: usize, shard: usize, dst: u64) -> Result<Done, LoadError> {
+        let done: Done = Arc::new((Mutex::new(false), Condvar::new()));
+        let job = Job {
+            src: src as usize,
+            len,
+            shard,
+            dst,
+            sum: sum(src as usize, len),
+            done: done.clone(),
+        };
+        self.jobs.lock().unwrap().send(job).unwrap();
+        Ok(done)
     }
-    fn region(&self, i: usize, _c: &Chunk) -> Result<*mut u8, LoadError> {
-        let b = self
-            .free
-            .lock()
-            .unwrap()
-            .pop()
-            .expect("a region was requested with every staging buffer in use");
-        self.owner.lock().unwrap().insert(i, b);
-        let now = self.out.fetch_add(1, Ordering::SeqCst) + 1;
-        self.max_out.fetch_max(now, Ordering::SeqCst);
-        self.regions.fetch_add(1, Ordering::SeqCst);
-        Ok(self.ptrs[b] as *mut u8)
-    }
-    fn landed(&self, i: usize, c: &Chunk, len: u64) -> Result<(), LoadError> {
-        let b = self
-            .owner
-            .lock()
-            .unwrap()
-            .remove(&i)
-            .expect("landed without a region");
-        let off = (c.file_off - self.aligned_start[c.shard]) as usize;
-        {
-            let buf = self.bufs[b].lock().unwrap();
-            self.device.lock().unwrap()[c.shard][off..off + len as usize]
-                .copy_from_slice(&buf.as_slice()[..len as usize]);
+    fn wait(&self, ev: Done) -> Result<(), LoadError> {
+        let (m, cv) = &*ev;
+        let mut g = m.lock().unwrap();
+        while !*g {
+            g = cv.wait(g).unwrap();
         }
-        self.order.lock().unwrap().push(i);
-        self.out.fetch_sub(1, Ordering::SeqCst);
-        self.free.lock().unwrap().push(b);
         Ok(())
     }
 }
@@ -130,7 +153,8 @@ fn staging_ring_reuses_buffers_and_reassembles_every_byte() {
         .write(d.path())
         .unwrap();
     for strategy in [Strategy::UringDirect, Strategy::Pread] {
-        let mut ring = StagingRing::new(2, 64 << 10);
+        let bufs = vec![AlignedBuf::zeroed(64 << 10), AlignedBuf::zeroed(64 << 10)];
+        let mut ring = StagingRing::new(bufs, FakeGpu::new());
         let opts = LoadOptions {
             strategy,
             chunk_size: 64 << 10,
@@ -139,15 +163,18 @@ fn staging_ring_reuses_buffers_and_reassembles_every_byte() {
             verify: Verify::Required,
         };
         let (plan, stats) = load_into(&ck, &opts, &mut ring, &mut |_| {}).unwrap();
+        ring.finish().unwrap();
         assert!(stats.verified);
-        assert!(
-            ring.max_out.load(Ordering::SeqCst) <= 2,
-            "{strategy:?}: more regions out than buffers"
-        );
-        assert_eq!(ring.regions.load(Ordering::SeqCst), plan.chunks.len());
+        let gpu = ring.into_engine();
+        assert_eq!(gpu.copies.load(Ordering::SeqCst), plan.chunks.len());
         assert!(plan.chunks.len() > 4, "buffers must be reused");
-        // Every tensor's bytes arrived at its place on the "device".
-        let device = ring.device.lock().unwrap();
+        assert_eq!(
+            gpu.overwritten.load(Ordering::SeqCst),
+            0,
+            "{strategy:?}: a buffer was refilled while its copy was pending"
+        );
+        // Every tensor's bytes arrived at its place on the "device" (partial tails included).
+        let device = gpu.device.lock().unwrap();
         for (si, s) in plan.shards.iter().enumerate() {
             let file = std::fs::read(&s.path).unwrap();
             let data = &file[s.data_start as usize..(s.data_start + s.data_len) as usize];
@@ -158,11 +185,27 @@ fn staging_ring_reuses_buffers_and_reassembles_every_byte() {
                 "{strategy:?} shard {si}"
             );
         }
-        // Layer 0's chunks were issued first (pread lands in any order; uring in issue order).
-        let order = ring.order.lock().unwrap();
+        // Copies were issued in the order chunks landed; with io_uring the first is layer 0's.
+        let order = gpu.order.lock().unwrap();
         assert_eq!(order.len(), plan.chunks.len());
         if strategy == Strategy::UringDirect {
-            assert_eq!(plan.chunks[order[0]].layer, 0);
+            let first = plan
+                .chunks
+                .iter()
+                .find(|c| (c.shard, c.file_off - plan.shards[c.shard].aligned_start) == order[0])
+                .unwrap();
+            assert_eq!(first.layer, 0);
         }
     }
+    // Buffers smaller than a chunk: a clear error before any read.
+    let mut ring = StagingRing::new(vec![AlignedBuf::zeroed(4096)], FakeGpu::new());
+    let opts = LoadOptions {
+        chunk_size: 64 << 10,
+        ..LoadOptions::default()
+    };
+    let e = load_into(&ck, &opts, &mut ring, &mut |_| {})
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("cannot hold chunks"), "{e}");
 }
