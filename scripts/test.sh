@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup-test-deps.sh
 # The CUDA backend must always build here (cudarc loads CUDA at run time); its GPU tests skip
 # with a message where there is no driver.
-cargo test --release -p thaw-kernels --features cuda
+cargo test --release -p thaw-kernels -p thaw-loader --features cuda
 cargo check --release -p thaw-runtime --features cuda
 cargo build --release --bins
 cargo test --release --workspace "$@"

@@ -24,6 +24,8 @@
 
 pub mod arena;
 pub mod checkpoint;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod dest;
 pub mod dtype;
 pub mod error;

@@ -1,0 +1,135 @@
+//! The CUDA destination (feature `cuda`): a [`StagingRing`] of pinned host buffers in front of a
+//! copy stream, filling one device allocation per shard. The ring's logic (event waits before a
+//! refill, copies queued as chunks land) is tested on the CPU with a fake engine
+//! (`tests/destination.rs`); this file is the thin CUDA side of it.
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};
+
+use crate::plan::LoadPlan;
+use crate::read::{load_into, LoadOptions, LoadStats};
+use crate::staging::{CopyEngine, StagingBuf, StagingRing};
+use crate::{Checkpoint, LoadError};
+
+fn cuda_err(e: impl std::fmt::Display) -> LoadError {
+    LoadError::invalid(std::path::Path::new("cuda"), e.to_string())
+}
+
+/// A pinned host buffer (plain page-locked memory, not write-combined: io_uring and the CPU
+/// hashing write and read it).
+pub struct PinnedBuf {
+    _mem: PinnedHostSlice<u8>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the buffer is owned memory; the ring hands out disjoint use of it.
+unsafe impl Send for PinnedBuf {}
+// SAFETY: as above.
+unsafe impl Sync for PinnedBuf {}
+
+impl PinnedBuf {
+    pub fn new(ctx: &Arc<CudaContext>, len: usize) -> Result<PinnedBuf, LoadError> {
+        // SAFETY: the memory is uninitialized until a read fills it; nothing reads it before.
+        let mut mem = unsafe {
+            ctx.alloc_pinned_with_flags::<u8>(len, cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE)
+        }
+        .map_err(cuda_err)?;
+        let ptr = mem.as_mut_ptr().map_err(cuda_err)?;
+        Ok(PinnedBuf {
+            _mem: mem,
+            ptr,
+            len,
+        })
+    }
+}
+
+impl StagingBuf for PinnedBuf {
+    fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// Host → device copies on one stream, each followed by an event.
+pub struct CudaCopy {
+    stream: Arc<CudaStream>,
+    shards: Mutex<Vec<CudaSlice<u8>>>,
+}
+
+impl CudaCopy {
+    pub fn new(ctx: &Arc<CudaContext>) -> Result<CudaCopy, LoadError> {
+        Ok(CudaCopy {
+            stream: ctx.new_stream().map_err(cuda_err)?,
+            shards: Mutex::new(vec![]),
+        })
+    }
+
+    /// The device allocations, one per shard, `aligned_len` bytes each.
+    pub fn into_shards(self) -> Vec<CudaSlice<u8>> {
+        self.shards.into_inner().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl CopyEngine for CudaCopy {
+    type Event = CudaEvent;
+
+    fn prepare(&mut self, plan: &LoadPlan) -> Result<(), LoadError> {
+        let mut v = Vec::with_capacity(plan.shards.len());
+        for s in &plan.shards {
+            // SAFETY: every byte of the data range is written by the load before it is used.
+            v.push(unsafe { self.stream.alloc::<u8>(s.aligned_len as usize) }.map_err(cuda_err)?);
+        }
+        *self.shards.lock().unwrap_or_else(|e| e.into_inner()) = v;
+        Ok(())
+    }
+
+    fn copy(
+        &self,
+        src: *const u8,
+        len: usize,
+        shard: usize,
+        dst: u64,
+    ) -> Result<CudaEvent, LoadError> {
+        // SAFETY: `src` is a pinned staging buffer of at least `len` bytes that the ring leaves
+        // untouched until the returned event has completed.
+        let host = unsafe { std::slice::from_raw_parts(src, len) };
+        let mut shards = self.shards.lock().unwrap_or_else(|e| e.into_inner());
+        let dst = dst as usize;
+        let mut view = shards[shard].slice_mut(dst..dst + len);
+        self.stream.memcpy_htod(host, &mut view).map_err(cuda_err)?;
+        self.stream
+            .record_event(Some(
+                cudarc::driver::sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC,
+            ))
+            .map_err(cuda_err)
+    }
+
+    fn wait(&self, ev: CudaEvent) -> Result<(), LoadError> {
+        ev.synchronize().map_err(cuda_err)
+    }
+}
+
+/// Loads `ck` into device memory through `ring` pinned buffers of the plan's chunk size.
+pub fn load_to_device(
+    ck: &Checkpoint,
+    opts: &LoadOptions,
+    ctx: &Arc<CudaContext>,
+    ring: usize,
+) -> Result<(LoadPlan, LoadStats, Vec<CudaSlice<u8>>), LoadError> {
+    // Chunks are the manifest's size when there is one (its hashes are per chunk).
+    let chunk = match crate::Manifest::read(&ck.dir)? {
+        Some(m) if opts.verify != crate::Verify::Off => m.chunk_size,
+        _ => opts.chunk_size,
+    };
+    let bufs = (0..ring.max(2))
+        .map(|_| PinnedBuf::new(ctx, chunk as usize))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut dest = StagingRing::new(bufs, CudaCopy::new(ctx)?);
+    let (plan, stats) = load_into(ck, opts, &mut dest, &mut |_| {})?;
+    dest.finish()?;
+    Ok((plan, stats, dest.into_engine().into_shards()))
+}
