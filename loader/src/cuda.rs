@@ -87,15 +87,14 @@ impl CopyEngine for CudaCopy {
         Ok(())
     }
 
-    fn copy(
+    unsafe fn copy(
         &self,
         src: *const u8,
         len: usize,
         shard: usize,
         dst: u64,
     ) -> Result<CudaEvent, LoadError> {
-        // SAFETY: `src` is a pinned staging buffer of at least `len` bytes that the ring leaves
-        // untouched until the returned event has completed.
+        // SAFETY: the caller's contract: `src` holds `len` bytes, untouched until the event.
         let host = unsafe { std::slice::from_raw_parts(src, len) };
         let mut shards = self.shards.lock().unwrap_or_else(|e| e.into_inner());
         let dst = dst as usize;

@@ -42,8 +42,10 @@ pub trait CopyEngine: Sync {
     /// Allocates device memory for the plan (one region per shard, `aligned_len` bytes).
     fn prepare(&mut self, plan: &LoadPlan) -> Result<(), LoadError>;
     /// Queues a copy of `len` bytes at `src` to offset `dst` of shard `shard`'s device region.
-    /// `src` stays untouched until the returned event completes.
-    fn copy(
+    ///
+    /// # Safety
+    /// `src` must be valid for `len` bytes and stay untouched until the returned event completes.
+    unsafe fn copy(
         &self,
         src: *const u8,
         len: usize,
@@ -149,9 +151,12 @@ impl<B: StagingBuf, E: CopyEngine> Destination for StagingRing<B, E> {
             .remove(&i)
             .ok_or_else(|| err(format!("chunk {i} landed without a region")))?;
         let dst = c.file_off - self.aligned_start[c.shard];
-        let ev = self
-            .engine
-            .copy(self.bufs[b].ptr(), len as usize, c.shard, dst)?;
+        // SAFETY: buffer `b` holds `len` landed bytes (len ≤ its size, checked in prepare) and
+        // is not handed out again before this copy's event has been waited on.
+        let ev = unsafe {
+            self.engine
+                .copy(self.bufs[b].ptr(), len as usize, c.shard, dst)?
+        };
         self.ring
             .lock()
             .unwrap_or_else(|e| e.into_inner())

@@ -91,7 +91,13 @@ impl CopyEngine for FakeGpu {
             .collect();
         Ok(())
     }
-    fn copy(&self, src: *const u8, len: usize, shard: usize, dst: u64) -> Result<Done, LoadError> {
+    unsafe fn copy(
+        &self,
+        src: *const u8,
+        len: usize,
+        shard: usize,
+        dst: u64,
+    ) -> Result<Done, LoadError> {
         let done: Done = Arc::new((Mutex::new(false), Condvar::new()));
         let job = Job {
             src: src as usize,
