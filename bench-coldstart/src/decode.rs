@@ -118,12 +118,12 @@ pub fn run(a: DecodeArgs) -> Result<()> {
 
     // Warm up once (page faults, caches).
     let p16 = prompt(&tok, 16)?;
-    let mut cache = KvCache::new(&model.cfg);
+    let mut cache = KvCache::new(&model);
     model.forward(&p16, &mut cache, false)?;
 
     let mut decode = Vec::new();
     for _ in 0..a.runs {
-        let mut cache = KvCache::new(&model.cfg);
+        let mut cache = KvCache::new(&model);
         let mut logits = model.forward(&p16, &mut cache, false)?;
         let t = Instant::now();
         for _ in 0..a.tokens {
@@ -138,7 +138,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
         let p = prompt(&tok, n)?;
         let mut v = Vec::new();
         for _ in 0..a.runs.min(3) {
-            let mut cache = KvCache::new(&model.cfg);
+            let mut cache = KvCache::new(&model);
             let t = Instant::now();
             model.forward(&p, &mut cache, false)?;
             v.push(n as f64 / t.elapsed().as_secs_f64());

@@ -62,7 +62,7 @@ pub fn generate(
     let mut eos: Vec<u32> = model.cfg.eos_ids();
     eos.extend(tok.eos_id);
     let mut sampler = Sampler::new(params.sampling.clone());
-    let mut cache = KvCache::new(&model.cfg);
+    let mut cache = KvCache::new(model);
     let mut stream = TextStream::new(params.stop.clone());
     let t0 = Instant::now();
     let mut logits = model.forward(prompt, &mut cache, false)?;

@@ -217,9 +217,10 @@ pub struct KvCache {
 pub const DEFAULT_BLOCK_SIZE: usize = 16;
 
 impl KvCache {
-    pub fn new(cfg: &ModelConfig) -> KvCache {
+    /// An empty cache for `model` (storing keys and values as [`Llama::kv_dtype`] says).
+    pub fn new(model: &Llama) -> KvCache {
         KvCache {
-            kv: PagedKv::new(cfg, DEFAULT_BLOCK_SIZE, 0),
+            kv: PagedKv::with_dtype(&model.cfg, DEFAULT_BLOCK_SIZE, 0, model.kv_dtype()),
             table: vec![],
             len: 0,
         }
@@ -473,16 +474,17 @@ impl Llama {
     /// How this model's keys and values are best stored: bf16 with bf16 weights (half the
     /// attention traffic), else f32. `THAW_KV_DTYPE=f32|bf16` overrides (for measurements).
     pub fn kv_dtype(&self) -> KvDtype {
-        match std::env::var("THAW_KV_DTYPE").as_deref() {
-            Ok("f32") => return KvDtype::F32,
-            Ok("bf16") => return KvDtype::Bf16,
-            _ => {}
-        }
-        if self.weight_dtype() == Dtype::BF16 {
+        static FORCED: std::sync::OnceLock<Option<KvDtype>> = std::sync::OnceLock::new();
+        let forced = FORCED.get_or_init(|| match std::env::var("THAW_KV_DTYPE").as_deref() {
+            Ok("f32") => Some(KvDtype::F32),
+            Ok("bf16") => Some(KvDtype::Bf16),
+            _ => None,
+        });
+        forced.unwrap_or(if self.weight_dtype() == Dtype::BF16 {
             KvDtype::Bf16
         } else {
             KvDtype::F32
-        }
+        })
     }
 
     /// How the weights were loaded (strategy, fallback, phase times).
@@ -499,9 +501,6 @@ impl Llama {
         all_logits: bool,
     ) -> Result<Vec<f32>, RuntimeError> {
         let end = cache.len + tokens.len();
-        if cache.kv.blocks() == 0 && cache.kv.dtype() != self.kv_dtype() {
-            cache.kv = PagedKv::with_dtype(&self.cfg, cache.kv.block_size(), 0, self.kv_dtype());
-        }
         let need = end.div_ceil(cache.kv.block_size());
         if end <= self.cfg.max_position_embeddings && need > cache.table.len() {
             cache.kv.grow(need);

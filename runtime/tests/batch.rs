@@ -11,7 +11,7 @@ const STEPS: usize = 6;
 
 /// Greedy run alone: the logits of every step.
 fn alone(m: &Llama, prompt: &[u32]) -> Vec<Vec<f32>> {
-    let mut cache = KvCache::new(&m.cfg);
+    let mut cache = KvCache::new(m);
     let mut logits = m.forward(prompt, &mut cache, false).unwrap();
     let mut out = vec![logits.clone()];
     for _ in 1..STEPS {

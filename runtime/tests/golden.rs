@@ -132,7 +132,7 @@ fn f32_greedy_matches_reference() {
         let want: Vec<u32> = want.into_iter().take(32).filter(|&t| t != 2).collect();
         assert_eq!(g.output_ids, want, "prompt {:?}", c["prompt_text"]);
         // First-step logits agree closely with llama.cpp's.
-        let mut cache = KvCache::new(&m.cfg);
+        let mut cache = KvCache::new(&m);
         let logits = m.forward(&prompt, &mut cache, false).unwrap();
         for pair in c["top5_logits_per_step"][0].as_array().unwrap() {
             let (id, want) = (
@@ -159,7 +159,7 @@ fn bf16_teacher_forced_top1_agreement() {
         let out = ids(&c["output_ids"]);
         let mut seq = prompt.clone();
         seq.extend_from_slice(&out[..out.len() - 1]);
-        let mut cache = KvCache::new(&m.cfg);
+        let mut cache = KvCache::new(&m);
         let logits = m.forward(&seq, &mut cache, true).unwrap();
         let v = m.cfg.vocab_size;
         for (i, &want) in out.iter().enumerate() {
@@ -188,10 +188,10 @@ fn sharded_checkpoint_gives_identical_logits() {
     let single = Llama::load(&model(OutDtype::Bf16)).unwrap();
     let prompt = [504u32, 3575, 282, 4649, 314];
     let a = sharded
-        .forward(&prompt, &mut KvCache::new(&sharded.cfg), true)
+        .forward(&prompt, &mut KvCache::new(&sharded), true)
         .unwrap();
     let b = single
-        .forward(&prompt, &mut KvCache::new(&single.cfg), true)
+        .forward(&prompt, &mut KvCache::new(&single), true)
         .unwrap();
     assert_eq!(a, b);
 }
@@ -207,10 +207,8 @@ fn chunked_prefill_is_bit_identical() {
             false,
         )
         .unwrap();
-    let whole = m
-        .forward(&prompt, &mut KvCache::new(&m.cfg), false)
-        .unwrap();
-    let mut cache = KvCache::new(&m.cfg);
+    let whole = m.forward(&prompt, &mut KvCache::new(&m), false).unwrap();
+    let mut cache = KvCache::new(&m);
     let mut last = vec![];
     for chunk in prompt.chunks(5) {
         last = m.forward(chunk, &mut cache, false).unwrap();

@@ -149,7 +149,7 @@ fn park_then_request_is_served() {
     model_dir("default");
     let s = Server::ready(&["--idle-timeout", "500ms", "--on-idle", "park"]);
     s.wait_until("the worker to park", 10, || {
-        !(ready_state(&s) != (503, "parked".to_string()))
+        ready_state(&s) == (503, "parked".to_string())
     });
     assert_eq!(s.metric("thaw_state{state=\"parked\"}"), 1.0);
     let r = invoke(&s);
@@ -186,7 +186,7 @@ fn admin_drain_finishes_streams_then_parks_or_exits() {
     // reloads.
     let hs: Vec<_> = (0..2).map(|_| stream(&s)).collect();
     s.wait_until("two running requests", 30, || {
-        !(s.metric("thaw_num_requests_running") < 2.0)
+        s.metric("thaw_num_requests_running") >= 2.0
     });
     assert_eq!(admin(&s, "/admin/drain?then=park", Some("adm")).0, 202);
     let r = invoke(&s);
@@ -197,7 +197,7 @@ fn admin_drain_finishes_streams_then_parks_or_exits() {
         assert!(body.contains("\"finish_reason\":\"length\""));
     }
     s.wait_until("the drain to park the worker", 10, || {
-        !(ready_state(&s).1 != "parked")
+        ready_state(&s).1 == "parked"
     });
     assert_eq!(invoke(&s).status().as_u16(), 200);
     // Drain, then exit.

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::extract::{Query, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
@@ -21,12 +21,7 @@ fn check_admin(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
             "admin routes are disabled: start the worker with --admin-token",
         ));
     };
-    let presented = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
-    if App::key_matches(Some(want), presented) {
+    if App::key_matches(Some(want), super::routes::bearer(headers)) {
         Ok(())
     } else {
         Err(ApiError::unauthorized())

@@ -57,16 +57,20 @@ fn finish_str(r: FinishReason) -> &'static str {
     }
 }
 
-fn check_auth(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
-    let presented = headers
+/// The token of an `Authorization: Bearer <token>` header.
+pub(crate) fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| {
             v.strip_prefix("Bearer ")
                 .or_else(|| v.strip_prefix("bearer "))
         })
-        .map(str::trim);
-    if app.authorized(presented) {
+        .map(str::trim)
+}
+
+fn check_auth(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
+    if app.authorized(bearer(headers)) {
         Ok(())
     } else {
         Err(ApiError::unauthorized())

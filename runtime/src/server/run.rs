@@ -115,7 +115,7 @@ pub struct Run {
     ended: bool,
     /// The outcome is in the metrics.
     recorded: bool,
-    _slot: Admission,
+    slot: Admission,
 }
 
 impl Run {
@@ -141,7 +141,7 @@ impl Run {
             pending: VecDeque::new(),
             ended: false,
             recorded: false,
-            _slot: slot,
+            slot: slot,
         }
     }
 
@@ -190,7 +190,7 @@ impl Run {
                     match self.last {
                         None => {
                             METRICS.ttft.observe((now - self.arrival).as_secs_f64());
-                            self._slot.app().first_token_seen();
+                            self.slot.app().first_token_seen();
                         }
                         Some(prev) => METRICS.itl.observe((now - prev).as_secs_f64()),
                     }

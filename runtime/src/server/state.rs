@@ -149,12 +149,43 @@ impl App {
     pub fn set_state(&self, s: State) {
         let old = self.state.send_replace(s);
         if old != s {
-            METRICS.set_state(s.as_str());
-            log(format_args!("state {} -> {}", old.as_str(), s.as_str()));
-            if let Some(w) = &self.webhook {
-                w.send_state(old.as_str(), s.as_str(), self.inflight());
-            }
+            self.announce(old, s, "");
         }
+    }
+
+    /// Moves the state to `f(state)` when that is `Some`, atomically, without announcing it.
+    /// Returns the state it replaced.
+    fn swap_if(&self, f: impl FnOnce(State) -> Option<State>) -> Option<State> {
+        let mut from = None;
+        self.state.send_if_modified(|s| match f(*s) {
+            Some(n) if n != *s => {
+                from = Some(*s);
+                *s = n;
+                true
+            }
+            _ => false,
+        });
+        from
+    }
+
+    /// Every state change goes out the same way: `thaw_state`, the log, the webhook.
+    fn announce(&self, old: State, new: State, why: &str) {
+        METRICS.set_state(new.as_str());
+        log(format_args!(
+            "state {} -> {}{why}",
+            old.as_str(),
+            new.as_str()
+        ));
+        if let Some(w) = &self.webhook {
+            w.send_state(old.as_str(), new.as_str(), self.inflight());
+        }
+    }
+
+    /// Installs a loaded (or loading, when streaming) worker and its cold-start record.
+    fn install(&self, w: Worker, cs: ColdStart) {
+        *self.cold_start.lock().unwrap_or_else(|e| e.into_inner()) = Some(cs);
+        self.first_token_pending.store(true, SeqCst);
+        *self.worker.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(w));
     }
 
     fn touch(&self) {
@@ -199,24 +230,10 @@ impl App {
     /// Starts loading if the model is cold or parked (idempotent: a load in progress or a loaded
     /// model is left alone). Returns the state after the call.
     pub fn prewarm(self: &Arc<Self>) -> State {
-        let mut started = false;
-        let mut from = State::Cold;
-        self.state.send_if_modified(|s| {
-            if matches!(s, State::Cold | State::Parked) {
-                from = *s;
-                *s = State::Loading;
-                started = true;
-                true
-            } else {
-                false
-            }
-        });
-        if started {
-            METRICS.set_state(State::Loading.as_str());
-            log(format_args!("state {} -> loading", from.as_str()));
-            if let Some(w) = &self.webhook {
-                w.send_state(from.as_str(), "loading", self.inflight());
-            }
+        let from =
+            self.swap_if(|s| matches!(s, State::Cold | State::Parked).then_some(State::Loading));
+        if let Some(from) = from {
+            self.announce(from, State::Loading, "");
             let app = self.clone();
             tokio::spawn(async move {
                 let opts = app.opts.clone();
@@ -227,9 +244,7 @@ impl App {
                         cs.set_total(t.elapsed().as_secs_f64());
                         log(format_args!("cold start: {}", cs.summary()));
                         cs.publish();
-                        *app.cold_start.lock().unwrap_or_else(|e| e.into_inner()) = Some(cs);
-                        app.first_token_pending.store(true, SeqCst);
-                        *app.worker.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(w));
+                        app.install(w, cs);
                         app.touch(); // the idle clock starts when the worker is ready
                         app.set_state(State::Ready);
                     }
@@ -237,9 +252,7 @@ impl App {
                         // Serving while loading: requests may start now; /ready waits for the
                         // last byte.
                         cs.set_total(t.elapsed().as_secs_f64());
-                        *app.cold_start.lock().unwrap_or_else(|e| e.into_inner()) = Some(cs);
-                        app.first_token_pending.store(true, SeqCst);
-                        *app.worker.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(w));
+                        app.install(w, cs);
                         app.state.send_modify(|_| {}); // wake the requests waiting for it
                         match tokio::task::spawn_blocking(move || done.join()).await {
                             Ok(Ok(Ok(st))) => {
@@ -337,28 +350,18 @@ impl App {
 
     /// Moves Ready → `to` only if no request is in flight (the handshake in the module docs).
     fn leave_ready(&self, to: State) -> bool {
-        let mut moved = false;
-        self.state.send_if_modified(|s| {
-            if *s == State::Ready {
-                *s = to;
-                moved = true;
-                true
-            } else {
-                false
-            }
-        });
-        if !moved {
+        if self
+            .swap_if(|s| (s == State::Ready).then_some(to))
+            .is_none()
+        {
             return false;
         }
         if self.inflight() > 0 {
+            // A request slipped in: back to ready, as if nothing happened (nothing announced).
             self.state.send_replace(State::Ready);
             return false;
         }
-        METRICS.set_state(to.as_str());
-        log(format_args!("state ready -> {} (idle)", to.as_str()));
-        if let Some(w) = &self.webhook {
-            w.send_state("ready", to.as_str(), 0);
-        }
+        self.announce(State::Ready, to, " (idle)");
         true
     }
 
