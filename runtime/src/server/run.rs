@@ -141,7 +141,7 @@ impl Run {
             pending: VecDeque::new(),
             ended: false,
             recorded: false,
-            slot: slot,
+            slot,
         }
     }
 
