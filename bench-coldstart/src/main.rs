@@ -2,12 +2,15 @@
 //!
 //! `decode`: batch-1 decode tokens/s and prefill tokens/s of the CPU backend on a model, beside
 //! the memory roofline (weight bytes read per token over the read bandwidth this run measures).
-//! `load`, `synth`, `serve` and `coldstart` measure loading, serving and whole cold starts.
+//! `load`, `synth`, `serve` and `coldstart` measure loading, serving and whole cold starts;
+//! `gpu` (feature `cuda`) checks and times the CUDA backend.
 
 use clap::{Parser, Subcommand};
 
 mod coldstart;
 mod decode;
+#[cfg(feature = "cuda")]
+mod gpu;
 mod kernels;
 mod load;
 mod membw;
@@ -38,6 +41,10 @@ enum Cmd {
     Serve(serve::ServeArgs),
     /// Write a random-weight checkpoint with a real model's shapes and shard layout.
     Synth(synth::SynthArgs),
+    /// CUDA backend vs CPU backend on the same weights; load and decode against floors
+    /// measured in the same run (scripts/gpu-check.sh; needs `--features cuda` and a GPU).
+    #[cfg(feature = "cuda")]
+    Gpu(gpu::GpuArgs),
 }
 
 fn main() {
@@ -48,6 +55,8 @@ fn main() {
         Cmd::Serve(a) => serve::run(a),
         Cmd::Load(a) => load::run(a),
         Cmd::Coldstart(a) => coldstart::run(a),
+        #[cfg(feature = "cuda")]
+        Cmd::Gpu(a) => gpu::run(a),
     };
     if let Err(e) = r {
         eprintln!("error: {e:#}");

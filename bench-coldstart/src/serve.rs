@@ -389,8 +389,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
         let model = Arc::new(Llama::load(&dir)?);
         let engine = Engine::start(
             model.clone(),
-            EngineConfig::with_kv_bytes(&model, a.kv_cache_bytes),
-        );
+            EngineConfig::with_kv_bytes(&*model, a.kv_cache_bytes),
+        )?;
         Box::new(InProcess { engine })
     } else {
         bail!("give --url URL (an OpenAI-compatible server) or --in-process");

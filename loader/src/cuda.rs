@@ -112,13 +112,27 @@ impl CopyEngine for CudaCopy {
     }
 }
 
+/// A checkpoint in device memory: one allocation per shard (tensor `e` of shard `s` starts at
+/// `plan.shards[s].data_offset() + e.info.begin`), and how the load went.
+pub struct DeviceLoad {
+    pub plan: LoadPlan,
+    pub stats: LoadStats,
+    pub shards: Vec<CudaSlice<u8>>,
+    /// Pinned staging buffers allocated, device memory allocated (seconds).
+    pub alloc_s: f64,
+    /// Time the reads waited for host → device copies, plus the final copies' tail: the copy
+    /// phase not hidden behind reads.
+    pub copy_s: f64,
+}
+
 /// Loads `ck` into device memory through `ring` pinned buffers of the plan's chunk size.
 pub fn load_to_device(
     ck: &Checkpoint,
     opts: &LoadOptions,
     ctx: &Arc<CudaContext>,
     ring: usize,
-) -> Result<(LoadPlan, LoadStats, Vec<CudaSlice<u8>>), LoadError> {
+) -> Result<DeviceLoad, LoadError> {
+    let t = std::time::Instant::now();
     // Chunks are the manifest's size when there is one (its hashes are per chunk).
     let chunk = match crate::Manifest::read(&ck.dir)? {
         Some(m) if opts.verify != crate::Verify::Off => m.chunk_size,
@@ -128,7 +142,16 @@ pub fn load_to_device(
         .map(|_| PinnedBuf::new(ctx, chunk as usize))
         .collect::<Result<Vec<_>, _>>()?;
     let mut dest = StagingRing::new(bufs, CudaCopy::new(ctx)?);
-    let (plan, stats) = load_into(ck, opts, &mut dest, &mut |_| {})?;
+    let alloc_s = t.elapsed().as_secs_f64();
+    let (plan, mut stats) = load_into(ck, opts, &mut dest, &mut |_| {})?;
     dest.finish()?;
-    Ok((plan, stats, dest.into_engine().into_shards()))
+    let copy_s = dest.copy_wait_s();
+    stats.total_s = t.elapsed().as_secs_f64();
+    Ok(DeviceLoad {
+        plan,
+        stats,
+        shards: dest.into_engine().into_shards(),
+        alloc_s,
+        copy_s,
+    })
 }

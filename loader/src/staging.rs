@@ -11,7 +11,9 @@
 //! size, so the reader never asks for more buffers than exist.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
+use std::time::Instant;
 
 use crate::dest::Destination;
 use crate::plan::{Chunk, LoadPlan};
@@ -68,6 +70,8 @@ pub struct StagingRing<B: StagingBuf, E: CopyEngine> {
     engine: E,
     ring: Mutex<Ring<E::Event>>,
     aligned_start: Vec<u64>,
+    /// Time readers and `finish` spent waiting for copies (the copy work reads did not hide).
+    waited_ns: AtomicU64,
 }
 
 impl<B: StagingBuf, E: CopyEngine> StagingRing<B, E> {
@@ -81,7 +85,22 @@ impl<B: StagingBuf, E: CopyEngine> StagingRing<B, E> {
                 held: HashMap::new(),
             }),
             aligned_start: vec![],
+            waited_ns: AtomicU64::new(0),
         }
+    }
+
+    fn wait(&self, ev: E::Event) -> Result<(), LoadError> {
+        let t = Instant::now();
+        let r = self.engine.wait(ev);
+        self.waited_ns
+            .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        r
+    }
+
+    /// Seconds spent waiting on copies so far: the copy phase's share of the load that the
+    /// reads did not overlap.
+    pub fn copy_wait_s(&self) -> f64 {
+        self.waited_ns.load(Ordering::Relaxed) as f64 / 1e9
     }
 
     /// Waits for every copy still in flight; then the device holds every landed chunk.
@@ -91,7 +110,7 @@ impl<B: StagingBuf, E: CopyEngine> StagingRing<B, E> {
             r.free.iter_mut().filter_map(|(_, ev)| ev.take()).collect()
         };
         for ev in pending {
-            self.engine.wait(ev)?;
+            self.wait(ev)?;
         }
         Ok(())
     }
@@ -137,7 +156,7 @@ impl<B: StagingBuf, E: CopyEngine> Destination for StagingRing<B, E> {
         };
         // The buffer's previous copy must be done before the read overwrites it.
         if let Some(ev) = ev {
-            self.engine.wait(ev)?;
+            self.wait(ev)?;
         }
         Ok(self.bufs[b].ptr())
     }

@@ -42,10 +42,10 @@ fn checkpoint_reaches_device_memory_intact() {
         verify: Verify::Off,
         ..LoadOptions::default()
     };
-    let (plan, _, shards) = thaw_loader::cuda::load_to_device(&ck, &opts, &ctx, 3).unwrap();
+    let l = thaw_loader::cuda::load_to_device(&ck, &opts, &ctx, 3).unwrap();
     let stream = ctx.default_stream();
-    let back = stream.clone_dtoh(&shards[0]).unwrap();
-    let s = &plan.shards[0];
+    let back = stream.clone_dtoh(&l.shards[0]).unwrap();
+    let s = &l.plan.shards[0];
     let data = &bytes[s.data_start as usize..(s.data_start + s.data_len) as usize];
     let off = s.data_offset() as usize;
     assert_eq!(&back[off..off + data.len()], data);

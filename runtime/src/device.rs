@@ -1,8 +1,8 @@
 //! `--device cpu|cuda|auto`: which backend runs the model.
 //!
-//! The CPU backend is the default everywhere. The CUDA backend (feature `cuda`, issue 7) can so
-//! far only find and open a device: `auto` therefore picks the CPU (saying so when a GPU is
-//! present), and `cuda` is refused with the reason — never a silent fallback.
+//! The CPU backend is the default everywhere. `cuda` (feature `cuda`) runs the model on GPU 0
+//! and is refused, with the reason, where there is no driver or device — never a silent
+//! fallback. `auto` takes the GPU when the driver reports one, else the CPU.
 
 use crate::RuntimeError;
 
@@ -29,48 +29,42 @@ impl std::str::FromStr for DeviceChoice {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Device {
     Cpu,
+    /// CUDA device ordinal.
+    Cuda(usize),
 }
 
-/// Resolves a choice to a backend; `note` receives one line to log when `auto` passes over a
-/// GPU.
+/// Resolves a choice to a backend; `note` receives one line to log about the choice `auto`
+/// made.
 pub fn resolve(choice: DeviceChoice, note: &mut dyn FnMut(String)) -> Result<Device, RuntimeError> {
     match choice {
         DeviceChoice::Cpu => Ok(Device::Cpu),
-        DeviceChoice::Auto => {
-            if let Some(gpu) = gpu_name() {
-                note(format!(
-                    "found CUDA device {gpu}; the CUDA backend cannot run models yet, using the CPU"
-                ));
+        DeviceChoice::Auto => match gpus() {
+            Ok(n) if n > 0 => {
+                note(format!("found {n} CUDA device(s); using device 0"));
+                Ok(Device::Cuda(0))
             }
-            Ok(Device::Cpu)
-        }
-        DeviceChoice::Cuda => Err(RuntimeError::Config(cuda_refusal())),
+            _ => Ok(Device::Cpu),
+        },
+        DeviceChoice::Cuda => match gpus() {
+            Ok(n) if n > 0 => Ok(Device::Cuda(0)),
+            Ok(_) => Err(RuntimeError::Config(
+                "--device cuda: the CUDA driver reports no device".into(),
+            )),
+            Err(e) => Err(RuntimeError::Config(format!("--device cuda: {e}"))),
+        },
     }
 }
 
+/// Number of CUDA devices (no context is created: that is the load's `device_init`).
 #[cfg(feature = "cuda")]
-fn gpu_name() -> Option<String> {
-    thaw_kernels::cuda::open(0).ok().map(|(_, i)| i.name)
+fn gpus() -> Result<usize, String> {
+    thaw_kernels::cuda::device_count().map_err(|e| e.to_string())
 }
 
 #[cfg(not(feature = "cuda"))]
-fn gpu_name() -> Option<String> {
-    None
-}
-
-#[cfg(feature = "cuda")]
-fn cuda_refusal() -> String {
-    match thaw_kernels::cuda::open(0) {
-        Err(e) => format!("--device cuda: {e}"),
-        Ok((_, i)) => format!(
-            "--device cuda: found {} ({} GB), but running models on CUDA is not implemented yet",
-            i.name,
-            i.total_mem >> 30
-        ),
-    }
-}
-
-#[cfg(not(feature = "cuda"))]
-fn cuda_refusal() -> String {
-    "--device cuda: this thaw was built without the `cuda` feature (cargo build --release --features cuda)".into()
+fn gpus() -> Result<usize, String> {
+    Err(
+        "this thaw was built without the `cuda` feature (cargo build --release --features cuda)"
+            .into(),
+    )
 }

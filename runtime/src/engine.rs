@@ -12,7 +12,8 @@
 //! When blocks run out, the newest running sequence is preempted: its blocks are released and it
 //! goes back to the head of the queue to be recomputed later (its sampler state is kept, and the
 //! kernels are batch-invariant, so it produces the same tokens it would have). The whole batch
-//! is one [`Llama::forward_batch`] call: every weight matrix is read once per step.
+//! is one [`StepModel::forward_batch`] call (CPU or CUDA backend): every weight matrix is read
+//! once per step.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -25,9 +26,10 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::generate::FinishReason;
 use crate::kv::{BlockId, BlockManager};
-use crate::model::{PagedKv, SeqChunk, DEFAULT_BLOCK_SIZE};
+use crate::model::{SeqChunk, DEFAULT_BLOCK_SIZE};
 use crate::sampling::{Sampler, SamplingParams};
-use crate::Llama;
+use crate::step::StepModel;
+use crate::RuntimeError;
 
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -40,8 +42,8 @@ pub struct EngineConfig {
 
 impl EngineConfig {
     /// A configuration whose KV store takes about `bytes` of memory.
-    pub fn with_kv_bytes(model: &Llama, bytes: usize) -> EngineConfig {
-        let per = PagedKv::bytes_per_block(&model.cfg, DEFAULT_BLOCK_SIZE, model.kv_dtype());
+    pub fn with_kv_bytes<M: StepModel>(model: &M, bytes: usize) -> EngineConfig {
+        let per = model.kv_bytes_per_block(DEFAULT_BLOCK_SIZE);
         EngineConfig {
             block_size: DEFAULT_BLOCK_SIZE,
             num_blocks: (bytes / per).max(1),
@@ -149,21 +151,24 @@ pub struct Engine {
 }
 
 impl Engine {
-    pub fn start(model: Arc<Llama>, cfg: EngineConfig) -> Engine {
+    /// Starts the engine thread over `model`, with a KV store of `cfg.num_blocks` blocks
+    /// (allocated here: a store the backend cannot provide is an error, not a later crash).
+    pub fn start<M: StepModel>(model: Arc<M>, cfg: EngineConfig) -> Result<Engine, RuntimeError> {
         let (tx, rx) = mpsc::channel();
         let stats = Arc::new(Mutex::new(EngineStats::default()));
         let st = stats.clone();
         let config = cfg.clone();
+        let kv = model.new_kv(cfg.block_size, cfg.num_blocks)?;
         let thread = std::thread::Builder::new()
             .name("thaw-engine".into())
-            .spawn(move || Scheduler::new(model, cfg, st).run(rx))
-            .expect("spawning the engine thread");
-        Engine {
+            .spawn(move || Scheduler::new(model, kv, cfg, st).run(rx))
+            .map_err(|e| RuntimeError::Config(format!("spawning the engine thread: {e}")))?;
+        Ok(Engine {
             cfg: config,
             tx,
             stats,
             thread: Some(thread),
-        }
+        })
     }
 
     /// Queues `req`; its events arrive on the returned stream. Drop the stream to cancel.
@@ -243,11 +248,11 @@ impl Seq {
     }
 }
 
-struct Scheduler {
-    model: Arc<Llama>,
+struct Scheduler<M: StepModel> {
+    model: Arc<M>,
     cfg: EngineConfig,
     blocks: BlockManager,
-    kv: PagedKv,
+    kv: M::Kv,
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
     stats: Arc<Mutex<EngineStats>>,
@@ -255,9 +260,13 @@ struct Scheduler {
     next_arrival: u64,
 }
 
-impl Scheduler {
-    fn new(model: Arc<Llama>, cfg: EngineConfig, stats: Arc<Mutex<EngineStats>>) -> Scheduler {
-        let kv = PagedKv::with_dtype(&model.cfg, cfg.block_size, cfg.num_blocks, model.kv_dtype());
+impl<M: StepModel> Scheduler<M> {
+    fn new(
+        model: Arc<M>,
+        kv: M::Kv,
+        cfg: EngineConfig,
+        stats: Arc<Mutex<EngineStats>>,
+    ) -> Scheduler<M> {
         Scheduler {
             blocks: BlockManager::new(cfg.num_blocks, cfg.block_size),
             kv,
@@ -311,7 +320,7 @@ impl Scheduler {
         cancelled: Arc<AtomicBool>,
         submitted: Instant,
     ) {
-        let ctx = self.model.cfg.max_position_embeddings;
+        let ctx = self.model.config().max_position_embeddings;
         let err = if req.prompt.is_empty() {
             Some("the prompt is empty".to_string())
         } else if req.prompt.len().saturating_add(req.max_tokens) > ctx {
@@ -332,7 +341,7 @@ impl Scheduler {
         } else if let Some(&t) = req
             .prompt
             .iter()
-            .find(|&&t| t as usize >= self.model.cfg.vocab_size)
+            .find(|&&t| t as usize >= self.model.config().vocab_size)
         {
             Some(format!("token id {t} is outside the vocabulary"))
         } else {
@@ -474,7 +483,7 @@ impl Scheduler {
         let result = self.model.forward_batch(&chunks, &mut self.kv);
         drop(chunks);
         self.counters.steps += 1;
-        let vocab = self.model.cfg.vocab_size;
+        let vocab = self.model.config().vocab_size;
         let logits = match result {
             Ok(l) => l,
             Err(e) => {

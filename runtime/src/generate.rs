@@ -3,9 +3,11 @@
 
 use std::time::Instant;
 
+use crate::model::{SeqChunk, DEFAULT_BLOCK_SIZE};
 use crate::sampling::{Sampler, SamplingParams};
+use crate::step::StepModel;
 use crate::textstream::{Delta, TextStream};
-use crate::{KvCache, Llama, RuntimeError, TextTokenizer};
+use crate::{RuntimeError, TextTokenizer};
 
 #[derive(Debug, Clone)]
 pub struct GenerateParams {
@@ -41,8 +43,9 @@ pub struct Generation {
     pub timings: Timings,
 }
 
-pub fn generate(
-    model: &Llama,
+/// Generates from `prompt` on any backend (a private KV store sized for prompt + max_tokens).
+pub fn generate<M: StepModel>(
+    model: &M,
     tok: &TextTokenizer,
     prompt: &[u32],
     params: &GenerateParams,
@@ -52,24 +55,37 @@ pub fn generate(
     if prompt.is_empty() {
         return Err(RuntimeError::Request("the prompt is empty".into()));
     }
-    let ctx = model.cfg.max_position_embeddings;
+    let cfg = model.config();
+    let ctx = cfg.max_position_embeddings;
     if prompt.len() >= ctx {
         return Err(RuntimeError::Request(format!(
             "the prompt has {} tokens; the context holds {ctx}",
             prompt.len()
         )));
     }
-    let mut eos: Vec<u32> = model.cfg.eos_ids();
+    let mut eos: Vec<u32> = cfg.eos_ids();
     eos.extend(tok.eos_id);
     let mut sampler = Sampler::new(params.sampling.clone());
-    let mut cache = KvCache::new(model);
+    let max_tokens = params.max_tokens.min(ctx - prompt.len());
+    let blocks = (prompt.len() + max_tokens).div_ceil(DEFAULT_BLOCK_SIZE);
+    let mut kv = model.new_kv(DEFAULT_BLOCK_SIZE, blocks)?;
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    let mut step = |tokens: &[u32], start: usize| {
+        model.forward_batch(
+            &[SeqChunk {
+                tokens,
+                start,
+                table: &table,
+            }],
+            &mut kv,
+        )
+    };
     let mut stream = TextStream::new(params.stop.clone());
     let t0 = Instant::now();
-    let mut logits = model.forward(prompt, &mut cache, false)?;
+    let mut logits = step(prompt, 0)?;
     let mut out = Vec::new();
     let mut t_first = None;
     let mut finish = FinishReason::Length;
-    let max_tokens = params.max_tokens.min(ctx - prompt.len());
     while out.len() < max_tokens {
         let id = sampler.sample(&logits);
         t_first.get_or_insert_with(Instant::now);
@@ -96,7 +112,7 @@ pub fn generate(
         if out.len() == max_tokens {
             break;
         }
-        logits = model.forward(&[id], &mut cache, false)?;
+        logits = step(&[id], prompt.len() + out.len() - 1)?;
     }
     let tail = stream.finish();
     if !tail.is_empty() {

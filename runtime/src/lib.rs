@@ -16,6 +16,8 @@
 pub mod chat;
 pub mod config;
 pub mod convert;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod device;
 pub mod engine;
 pub mod error;
@@ -25,6 +27,7 @@ pub mod kv;
 pub mod model;
 pub mod sampling;
 pub mod server;
+pub mod step;
 pub mod textstream;
 pub mod tokenizer;
 
@@ -34,4 +37,5 @@ pub use error::RuntimeError;
 pub use generate::{generate, FinishReason, GenerateParams, Generation};
 pub use model::{KvCache, KvDtype, Llama, PagedKv, SeqChunk};
 pub use sampling::{Sampler, SamplingParams};
+pub use step::StepModel;
 pub use tokenizer::TextTokenizer;

@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use thaw_loader::{Checkpoint, LoadOptions, Manifest, Strategy, Verify};
 use thaw_runtime::convert::{convert, ConvertOptions, OutDtype};
-use thaw_runtime::device::{self, DeviceChoice};
+use thaw_runtime::device::{self, Device, DeviceChoice};
 use thaw_runtime::fetch::{default_model, resolve_model};
 use thaw_runtime::server::state::AfterDrain;
 use thaw_runtime::server::ServeOptions;
@@ -56,7 +56,7 @@ enum Cmd {
         #[arg(long)]
         no_special: bool,
     },
-    /// Generate a continuation on the CPU.
+    /// Generate a continuation (on the CPU, or a GPU with --device cuda).
     Generate(GenerateArgs),
     /// Serve the model over HTTP (OpenAI-compatible API, /invoke, /health, /ready, /metrics).
     Serve(ServeArgs),
@@ -307,7 +307,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Generate(a) => run_generate(a)?,
         Cmd::Serve(a) => {
-            device::resolve(a.load.device, &mut |n| eprintln!("note: {n}"))?;
+            let device = device::resolve(a.load.device, &mut |n| eprintln!("note: {n}"))?;
             let dir = resolve_model(&a.model)?;
             thaw_runtime::server::serve(ServeOptions {
                 model_dir: dir,
@@ -330,8 +330,9 @@ fn run(cli: Cli) -> Result<()> {
                 webhook_url: a.autoscaler_webhook.clone(),
                 webhook_secret: a.webhook_secret.clone(),
                 target_concurrency: a.target_concurrency,
-                serve_while_loading: a.serve_while_loading,
+                serve_while_loading: a.serve_while_loading && device == Device::Cpu,
                 load: a.load.options(),
+                device,
             })?;
         }
         Cmd::Manifest { dir, chunk_size } => {
@@ -349,9 +350,29 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn run_generate(a: GenerateArgs) -> Result<()> {
-    device::resolve(a.load.device, &mut |n| eprintln!("note: {n}"))?;
+    let device = device::resolve(a.load.device, &mut |n| eprintln!("note: {n}"))?;
     let dir = resolve_model(&a.model)?;
     let t0 = Instant::now();
+    match device {
+        Device::Cpu => {}
+        #[cfg(feature = "cuda")]
+        Device::Cuda(ordinal) => {
+            let model = thaw_runtime::cuda::CudaLlama::load(&dir, &a.load.options(), ordinal)?;
+            let p = &model.phases;
+            eprintln!(
+                "note: on {} — context {:.0} ms, kernels {:.0} ms ({}), module {:.0} ms, copy wait {:.0} ms",
+                model.gpu().info.name,
+                p.context_s * 1e3,
+                p.compile_s * 1e3,
+                if p.compile_cache_hit { "cached" } else { "NVRTC" },
+                p.module_s * 1e3,
+                p.copy_s * 1e3
+            );
+            return finish_generate(&a, &dir, &model, model.load_stats(), t0);
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => bail!("this thaw was built without the `cuda` feature"),
+    }
     let model = if std::io::stderr().is_terminal() {
         let m = Llama::load_with_progress(&dir, &a.load.options(), &mut |p| {
             eprint!(
@@ -374,7 +395,18 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
             model.load_stats().strategy
         );
     }
-    let tok = TextTokenizer::load(&dir)?;
+    finish_generate(&a, &dir, &model, model.load_stats(), t0)
+}
+
+/// Tokenizes, generates and prints, on whichever backend `model` runs.
+fn finish_generate<M: thaw_runtime::StepModel>(
+    a: &GenerateArgs,
+    dir: &std::path::Path,
+    model: &M,
+    stats: &thaw_loader::LoadStats,
+    t0: Instant,
+) -> Result<()> {
+    let tok = TextTokenizer::load(dir)?;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
     let prompt: Vec<u32> = if let Some(p) = &a.prompt {
         tok.encode(p, false)?
@@ -415,7 +447,7 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
         ignore_eos: a.ignore_eos,
     };
     let stdout = std::io::stdout();
-    let g = generate(&model, &tok, &prompt, &params, |t| {
+    let g = generate(model, &tok, &prompt, &params, |t| {
         if !a.json {
             let mut o = stdout.lock();
             let _ = o.write_all(t.as_bytes());
@@ -430,7 +462,7 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
             "finish_reason": g.finish_reason,
             "timings": {
                 "load_ms": load_ms,
-                "load": model.load_stats(),
+                "load": stats,
                 "ttft_ms": g.timings.ttft_ms,
                 "prompt_tokens": g.timings.prompt_tokens,
                 "prefill_tokens_per_s": g.timings.prefill_tokens_per_s,

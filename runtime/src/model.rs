@@ -190,7 +190,7 @@ impl PagedKv {
         }
     }
     /// Element offset of position `pos` of layer `layer` for a sequence with block table `table`.
-    fn slot(&self, layer: usize, table: &[u32], pos: usize) -> usize {
+    pub(crate) fn slot(&self, layer: usize, table: &[u32], pos: usize) -> usize {
         table[pos / self.block_size] as usize * self.block_stride()
             + (layer * self.block_size + pos % self.block_size) * self.kv_dim
     }
@@ -263,6 +263,102 @@ fn matrix<'a>(w: &'a HostWeights, e: &'a TensorEntry) -> Matrix<'a> {
     Matrix::new(data, v.shape[0], v.shape[1])
 }
 
+/// The KV element for weights of `weights` dtype (both backends' policy): bf16 with bf16
+/// weights, else f32; `THAW_KV_DTYPE=f32|bf16` overrides (read once).
+pub(crate) fn kv_dtype_for(weights: Dtype) -> KvDtype {
+    static FORCED: std::sync::OnceLock<Option<KvDtype>> = std::sync::OnceLock::new();
+    let forced = FORCED.get_or_init(|| match std::env::var("THAW_KV_DTYPE").as_deref() {
+        Ok("f32") => Some(KvDtype::F32),
+        Ok("bf16") => Some(KvDtype::Bf16),
+        _ => None,
+    });
+    forced.unwrap_or(if weights == Dtype::BF16 {
+        KvDtype::Bf16
+    } else {
+        KvDtype::F32
+    })
+}
+
+/// RoPE inverse frequencies `1 / theta^(2i / head_dim)`, in f64 (angles are rounded once).
+pub(crate) fn inv_freq(cfg: &ModelConfig) -> Vec<f64> {
+    let hd = cfg.head_dim();
+    (0..hd / 2)
+        .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f64 / hd as f64))
+        .collect()
+}
+
+/// One block's tensors, found and shape-checked in the checkpoint.
+pub(crate) struct LayerTensors {
+    pub attn_norm: TensorEntry,
+    pub q: TensorEntry,
+    pub k: TensorEntry,
+    pub v: TensorEntry,
+    pub q_bias: Option<TensorEntry>,
+    pub k_bias: Option<TensorEntry>,
+    pub v_bias: Option<TensorEntry>,
+    pub o: TensorEntry,
+    pub mlp_norm: TensorEntry,
+    pub gate: TensorEntry,
+    pub up: TensorEntry,
+    pub down: TensorEntry,
+}
+
+/// Every tensor a Llama-family model needs, checked for presence, shape and dtype before any
+/// data is read (shared by the CPU and CUDA models).
+pub(crate) struct Tensors {
+    pub embed: TensorEntry,
+    pub lm_head: TensorEntry,
+    pub norm: TensorEntry,
+    pub layers: Vec<LayerTensors>,
+}
+
+impl Tensors {
+    pub(crate) fn find(cfg: &ModelConfig, ck: &Checkpoint) -> Result<Tensors, RuntimeError> {
+        let (h, ffn, vocab) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+        let mat = |name: &str, shape: [usize; 2]| ck.expect(name, &shape, MATRIX_DTYPES).cloned();
+        let vec_entry = |name: &str, len: usize| ck.expect(name, &[len], MATRIX_DTYPES).cloned();
+        let embed = mat("model.embed_tokens.weight", [vocab, h])?;
+        let lm_head = if cfg.tie_word_embeddings {
+            embed.clone()
+        } else {
+            mat("lm_head.weight", [vocab, h])?
+        };
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let p = |s: &str| format!("model.layers.{i}.{s}");
+            let bias = |s: &str, len| -> Result<Option<TensorEntry>, RuntimeError> {
+                Ok(if cfg.has_qkv_bias() {
+                    Some(vec_entry(&p(s), len)?)
+                } else {
+                    None
+                })
+            };
+            layers.push(LayerTensors {
+                attn_norm: vec_entry(&p("input_layernorm.weight"), h)?,
+                mlp_norm: vec_entry(&p("post_attention_layernorm.weight"), h)?,
+                q_bias: bias("self_attn.q_proj.bias", qd)?,
+                k_bias: bias("self_attn.k_proj.bias", kvd)?,
+                v_bias: bias("self_attn.v_proj.bias", kvd)?,
+                q: mat(&p("self_attn.q_proj.weight"), [qd, h])?,
+                k: mat(&p("self_attn.k_proj.weight"), [kvd, h])?,
+                v: mat(&p("self_attn.v_proj.weight"), [kvd, h])?,
+                o: mat(&p("self_attn.o_proj.weight"), [h, qd])?,
+                gate: mat(&p("mlp.gate_proj.weight"), [ffn, h])?,
+                up: mat(&p("mlp.up_proj.weight"), [ffn, h])?,
+                down: mat(&p("mlp.down_proj.weight"), [h, ffn])?,
+            });
+        }
+        let norm = vec_entry("model.norm.weight", h)?;
+        Ok(Tensors {
+            embed,
+            lm_head,
+            norm,
+            layers,
+        })
+    }
+}
+
 impl Llama {
     /// Opens, validates and loads the checkpoint in `dir` with the default load options.
     pub fn load(dir: &Path) -> Result<Llama, RuntimeError> {
@@ -320,51 +416,7 @@ impl Llama {
     ) -> Result<Llama, RuntimeError> {
         let cfg = ModelConfig::load(dir)?;
         let ck = Checkpoint::open(dir)?;
-        let (h, ffn, vocab) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
-        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
-        let mat = |name: &str, shape: [usize; 2]| ck.expect(name, &shape, MATRIX_DTYPES).cloned();
-        let vec_entry = |name: &str, len: usize| ck.expect(name, &[len], MATRIX_DTYPES).cloned();
-        let embed = mat("model.embed_tokens.weight", [vocab, h])?;
-        let lm_head = if cfg.tie_word_embeddings {
-            embed.clone()
-        } else {
-            mat("lm_head.weight", [vocab, h])?
-        };
-        struct Pending {
-            l: Layer,
-            vecs: Vec<(usize, TensorEntry)>,
-        }
-        let mut pending = Vec::with_capacity(cfg.num_hidden_layers);
-        for i in 0..cfg.num_hidden_layers {
-            let p = |s: &str| format!("model.layers.{i}.{s}");
-            let mut vecs = vec![
-                (0, vec_entry(&p("input_layernorm.weight"), h)?),
-                (1, vec_entry(&p("post_attention_layernorm.weight"), h)?),
-            ];
-            if cfg.has_qkv_bias() {
-                vecs.push((2, vec_entry(&p("self_attn.q_proj.bias"), qd)?));
-                vecs.push((3, vec_entry(&p("self_attn.k_proj.bias"), kvd)?));
-                vecs.push((4, vec_entry(&p("self_attn.v_proj.bias"), kvd)?));
-            }
-            pending.push(Pending {
-                l: Layer {
-                    attn_norm: Vec32::new(vecs[0].1.clone()),
-                    q: mat(&p("self_attn.q_proj.weight"), [qd, h])?,
-                    k: mat(&p("self_attn.k_proj.weight"), [kvd, h])?,
-                    v: mat(&p("self_attn.v_proj.weight"), [kvd, h])?,
-                    q_bias: None,
-                    k_bias: None,
-                    v_bias: None,
-                    o: mat(&p("self_attn.o_proj.weight"), [h, qd])?,
-                    mlp_norm: Vec32::new(vecs[1].1.clone()),
-                    gate: mat(&p("mlp.gate_proj.weight"), [ffn, h])?,
-                    up: mat(&p("mlp.up_proj.weight"), [ffn, h])?,
-                    down: mat(&p("mlp.down_proj.weight"), [h, ffn])?,
-                },
-                vecs,
-            });
-        }
-        let norm_entry = vec_entry("model.norm.weight", h)?;
+        let t = Tensors::find(&cfg, &ck)?;
         let (weights, gate) = load(ck)?;
         // Kernels take typed slices: every matrix must sit at an address aligned for its dtype.
         // (Checked on the address: a streaming load may still be writing the bytes.)
@@ -381,28 +433,29 @@ impl Llama {
                 )))
             }
         };
-        check(&embed)?;
-        check(&lm_head)?;
-        let mut layers = Vec::with_capacity(pending.len());
-        for mut p in pending {
-            for e in [
-                &p.l.q, &p.l.k, &p.l.v, &p.l.o, &p.l.gate, &p.l.up, &p.l.down,
-            ] {
+        check(&t.embed)?;
+        check(&t.lm_head)?;
+        let mut layers = Vec::with_capacity(t.layers.len());
+        for l in t.layers {
+            for e in [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down] {
                 check(e)?;
             }
-            for (slot, e) in p.vecs {
-                let v = Vec32::new(e);
-                match slot {
-                    0 => p.l.attn_norm = v,
-                    1 => p.l.mlp_norm = v,
-                    2 => p.l.q_bias = Some(v),
-                    3 => p.l.k_bias = Some(v),
-                    _ => p.l.v_bias = Some(v),
-                }
-            }
-            layers.push(p.l);
+            layers.push(Layer {
+                attn_norm: Vec32::new(l.attn_norm),
+                q: l.q,
+                k: l.k,
+                v: l.v,
+                q_bias: l.q_bias.map(Vec32::new),
+                k_bias: l.k_bias.map(Vec32::new),
+                v_bias: l.v_bias.map(Vec32::new),
+                o: l.o,
+                mlp_norm: Vec32::new(l.mlp_norm),
+                gate: l.gate,
+                up: l.up,
+                down: l.down,
+            });
         }
-        let norm = Vec32::new(norm_entry);
+        let norm = Vec32::new(t.norm);
         if gate.is_none() {
             // Everything is in memory: widen now, as part of the load.
             for l in &layers {
@@ -421,17 +474,14 @@ impl Llama {
             }
             norm.get(&weights);
         }
-        let hd = cfg.head_dim();
-        let inv_freq = (0..hd / 2)
-            .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f64 / hd as f64))
-            .collect();
+        let inv_freq = inv_freq(&cfg);
         Ok(Llama {
             cfg,
             weights,
-            embed,
+            embed: t.embed,
             layers,
             norm,
-            lm_head,
+            lm_head: t.lm_head,
             inv_freq,
             gate,
         })
@@ -474,17 +524,7 @@ impl Llama {
     /// How this model's keys and values are best stored: bf16 with bf16 weights (half the
     /// attention traffic), else f32. `THAW_KV_DTYPE=f32|bf16` overrides (for measurements).
     pub fn kv_dtype(&self) -> KvDtype {
-        static FORCED: std::sync::OnceLock<Option<KvDtype>> = std::sync::OnceLock::new();
-        let forced = FORCED.get_or_init(|| match std::env::var("THAW_KV_DTYPE").as_deref() {
-            Ok("f32") => Some(KvDtype::F32),
-            Ok("bf16") => Some(KvDtype::Bf16),
-            _ => None,
-        });
-        forced.unwrap_or(if self.weight_dtype() == Dtype::BF16 {
-            KvDtype::Bf16
-        } else {
-            KvDtype::F32
-        })
+        kv_dtype_for(self.weight_dtype())
     }
 
     /// How the weights were loaded (strategy, fallback, phase times).
@@ -535,33 +575,7 @@ impl Llama {
         all_rows: bool,
     ) -> Result<Vec<f32>, RuntimeError> {
         let cfg = &self.cfg;
-        let bad = |m: String| Err(RuntimeError::Request(m));
-        if seqs.is_empty() || seqs.iter().any(|s| s.tokens.is_empty()) {
-            return bad("no tokens to process".into());
-        }
-        for sq in seqs {
-            if let Some(&t) = sq.tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-                return bad(format!(
-                    "token id {t} is outside the vocabulary of {}",
-                    cfg.vocab_size
-                ));
-            }
-            let end = sq.start + sq.tokens.len();
-            if end > cfg.max_position_embeddings {
-                return bad(format!(
-                    "{end} positions exceed the model's context of {}",
-                    cfg.max_position_embeddings
-                ));
-            }
-            if sq.table.len() * kv.block_size() < end
-                || sq.table.iter().any(|&b| b as usize >= kv.blocks())
-            {
-                return bad(format!(
-                    "block table of {} blocks cannot hold positions up to {end}",
-                    sq.table.len()
-                ));
-            }
-        }
+        crate::step::validate(cfg, seqs, kv.block_size(), kv.blocks())?;
         let pool = ThreadPool::global();
         let (h, ffn, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim());
         let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
@@ -699,5 +713,30 @@ impl Llama {
             &mut [(matrix(w, &self.lm_head), &mut logits)],
         );
         Ok(logits)
+    }
+}
+
+impl crate::step::StepModel for Llama {
+    type Kv = PagedKv;
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+    fn kv_bytes_per_block(&self, block_size: usize) -> usize {
+        PagedKv::bytes_per_block(&self.cfg, block_size, self.kv_dtype())
+    }
+    fn new_kv(&self, block_size: usize, blocks: usize) -> Result<PagedKv, RuntimeError> {
+        Ok(PagedKv::with_dtype(
+            &self.cfg,
+            block_size,
+            blocks,
+            self.kv_dtype(),
+        ))
+    }
+    fn forward_batch(
+        &self,
+        seqs: &[SeqChunk<'_>],
+        kv: &mut PagedKv,
+    ) -> Result<Vec<f32>, RuntimeError> {
+        Llama::forward_batch(self, seqs, kv)
     }
 }

@@ -45,7 +45,7 @@ fn alone(prompt: &[u32], max_tokens: usize) -> Vec<u32> {
         stop: vec![],
         ignore_eos: false,
     };
-    generate(m, tok, prompt, &p, |_| {}).unwrap().output_ids
+    generate(&**m, tok, prompt, &p, |_| {}).unwrap().output_ids
 }
 
 fn prompts(n: usize) -> Vec<Vec<u32>> {
@@ -100,7 +100,7 @@ fn sixteen_concurrent_requests_match_alone() {
     let (m, tok) = setup();
     let ps = prompts(16);
     let want: Vec<Vec<u32>> = ps.iter().map(|p| alone(p, 12)).collect();
-    let e = Engine::start(m.clone(), cfg(m, 256, 512));
+    let e = Engine::start(m.clone(), cfg(m, 256, 512)).unwrap();
     let streams: Vec<_> = ps
         .iter()
         .map(|p| e.submit(request(p.clone(), 12, eos(m, tok))))
@@ -124,7 +124,7 @@ fn sixteen_concurrent_requests_match_alone() {
 #[test]
 fn cancelled_request_frees_its_blocks() {
     let (m, _) = setup();
-    let e = Engine::start(m.clone(), cfg(m, 64, 512));
+    let e = Engine::start(m.clone(), cfg(m, 64, 512)).unwrap();
     let mut r = request(prompts(1).remove(0), 400, vec![]);
     r.ignore_eos = true;
     let mut s = e.submit(r);
@@ -145,7 +145,7 @@ fn long_prompt_is_prefilled_in_chunks() {
     let p = tok.encode(&text, false).unwrap();
     assert!(p.len() > 64);
     let want = alone(&p, 8);
-    let e = Engine::start(m.clone(), cfg(m, 64, 24));
+    let e = Engine::start(m.clone(), cfg(m, 64, 24)).unwrap();
     let (ids, _) = e.submit(request(p.clone(), 8, eos(m, tok))).collect();
     assert_eq!(ids, want);
     assert!(
@@ -160,7 +160,7 @@ fn too_small_kv_cache_preempts_and_still_matches() {
     let ps = prompts(6);
     let want: Vec<Vec<u32>> = ps.iter().map(|p| alone(p, 24)).collect();
     // 10 blocks × 16 tokens: not enough for six ~40-token sequences at once.
-    let e = Engine::start(m.clone(), cfg(m, 10, 512));
+    let e = Engine::start(m.clone(), cfg(m, 10, 512)).unwrap();
     let streams: Vec<_> = ps
         .iter()
         .map(|p| e.submit(request(p.clone(), 24, eos(m, tok))))
@@ -186,7 +186,7 @@ fn repeated_prefix_is_served_from_cache() {
         .encode(&format!("{prefix}Question: what colour is the sky?"), false)
         .unwrap();
     let want_b = alone(&b, 10);
-    let e = Engine::start(m.clone(), cfg(m, 128, 512));
+    let e = Engine::start(m.clone(), cfg(m, 128, 512)).unwrap();
     e.submit(request(a, 4, eos(m, tok))).collect();
     let (ids, fin) = e.submit(request(b.clone(), 10, eos(m, tok))).collect();
     assert_eq!(ids, want_b);
@@ -209,7 +209,7 @@ fn repeated_prefix_is_served_from_cache() {
 #[test]
 fn bad_requests_get_errors_not_panics() {
     let (m, _) = setup();
-    let e = Engine::start(m.clone(), cfg(m, 8, 512));
+    let e = Engine::start(m.clone(), cfg(m, 8, 512)).unwrap();
     for r in [
         request(vec![], 4, vec![]),
         request(vec![999_999], 4, vec![]),

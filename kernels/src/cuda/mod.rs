@@ -1,10 +1,20 @@
-//! The CUDA backend (feature `cuda`), first piece: finding a device without ever crashing.
+//! The CUDA backend (feature `cuda`).
 //!
-//! cudarc loads libcuda at run time (`dynamic-loading`), so this compiles and links on machines
-//! with no CUDA toolkit; but a cudarc call made where libcuda is missing panics inside cudarc.
-//! Every entry point here therefore checks `is_culib_present()` first and turns absence into a
-//! typed error. The GPU kernels, the pinned staging-ring loader destination and the decode loop
-//! build on this (issue 7).
+//! * Finding a device without ever crashing: cudarc loads libcuda at run time
+//!   (`dynamic-loading`), so this compiles and links on machines with no CUDA toolkit; but a
+//!   cudarc call made where libcuda is missing panics inside cudarc. Every entry point therefore
+//!   checks `is_culib_present()` first and turns absence into a typed error.
+//! * [`compile`]: the kernels' CUDA C source (`kernels.cu`), compiled at run time by NVRTC for
+//!   the device's architecture and cached on disk (tested here wherever libnvrtc loads — no GPU
+//!   needed).
+//! * [`Gpu`]: context, one stream, cuBLAS, typed kernel launches. The model code that drives it
+//!   lives in the runtime (`thaw_runtime::cuda`), so its host-side logic (step plans, slot
+//!   arithmetic) is shared with and tested against the CPU backend.
+
+pub mod compile;
+mod gpu;
+
+pub use gpu::{AttnDims, DevBuf, Elem, Gpu, GpuInit, Paging, MAX_GROUP, MAX_HEAD_DIM};
 
 use std::sync::Arc;
 
@@ -18,6 +28,10 @@ pub enum CudaError {
     NoDevice(String),
     #[error("CUDA driver error: {0}")]
     Driver(String),
+    #[error("compiling the CUDA kernels: {0}")]
+    Compile(String),
+    #[error("not supported by the CUDA backend: {0}")]
+    Unsupported(String),
 }
 
 /// What a device is, for logs and `--device auto`.
@@ -33,6 +47,15 @@ pub struct DeviceInfo {
 pub fn driver_present() -> bool {
     // SAFETY: only probes whether the library can be opened; touches no device.
     unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// Number of CUDA devices the driver reports (no context is created).
+pub fn device_count() -> Result<usize, CudaError> {
+    if !driver_present() {
+        return Err(CudaError::NoDriver);
+    }
+    let n = CudaContext::device_count().map_err(|e| CudaError::Driver(e.to_string()))?;
+    Ok(n.max(0) as usize)
 }
 
 /// Opens device `ordinal` (creating its primary context): the `device_init` phase of a cold

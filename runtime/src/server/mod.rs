@@ -34,6 +34,7 @@ use axum::routing::{get, post};
 use axum::Router;
 use thaw_loader::{LoadOptions, LoadStats};
 
+use crate::device::Device;
 use crate::engine::{Engine, EngineConfig, Request};
 use crate::sampling::SamplingParams;
 use crate::{Llama, RuntimeError, TextTokenizer};
@@ -84,10 +85,90 @@ pub struct ServeOptions {
     pub target_concurrency: usize,
     /// Start serving before the weights have all landed (forward passes wait layer by layer).
     pub serve_while_loading: bool,
+    /// The backend (resolved from `--device`).
+    pub device: Device,
 }
 
 /// The reader thread of a streaming load: final stats, or the load's error.
 pub(crate) type LoadDone = std::thread::JoinHandle<Result<LoadStats, thaw_loader::LoadError>>;
+
+/// A loaded model on its backend.
+enum Loaded {
+    Cpu(Arc<Llama>),
+    #[cfg(feature = "cuda")]
+    Cuda(Arc<crate::cuda::CudaLlama>),
+}
+
+impl Loaded {
+    fn load(o: &ServeOptions) -> Result<(Loaded, Option<LoadDone>), RuntimeError> {
+        match o.device {
+            Device::Cpu if o.serve_while_loading => Llama::load_streaming(&o.model_dir, &o.load)
+                .map(|(m, d)| (Loaded::Cpu(Arc::new(m)), Some(d))),
+            Device::Cpu => {
+                Llama::load_with(&o.model_dir, &o.load).map(|m| (Loaded::Cpu(Arc::new(m)), None))
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => crate::cuda::CudaLlama::load(&o.model_dir, &o.load, ordinal)
+                .map(|m| (Loaded::Cuda(Arc::new(m)), None)),
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => Err(RuntimeError::Config(
+                "this thaw was built without the `cuda` feature".into(),
+            )),
+        }
+    }
+
+    fn cfg(&self) -> &crate::ModelConfig {
+        match self {
+            Loaded::Cpu(m) => &m.cfg,
+            #[cfg(feature = "cuda")]
+            Loaded::Cuda(m) => &m.cfg,
+        }
+    }
+
+    fn stats(&self) -> &LoadStats {
+        match self {
+            Loaded::Cpu(m) => m.load_stats(),
+            #[cfg(feature = "cuda")]
+            Loaded::Cuda(m) => m.load_stats(),
+        }
+    }
+
+    /// The backend's phases: device bring-up, then the loader's (host → device copy included).
+    fn push_phases(&self, cs: &mut ColdStart, device_init_s: f64) {
+        match self {
+            Loaded::Cpu(m) => {
+                cs.push("device_init", device_init_s);
+                cs.push_load(m.load_stats(), 0.0);
+            }
+            #[cfg(feature = "cuda")]
+            Loaded::Cuda(m) => {
+                let p = &m.phases;
+                cs.push("device_init", p.context_s);
+                cs.push("compile", p.compile_s);
+                cs.push("module_load", p.module_s);
+                cs.push("alloc", p.alloc_s);
+                cs.push_load(m.load_stats(), p.copy_s);
+            }
+        }
+    }
+
+    fn engine(&self, cfg: impl Fn(EngineConfig) -> EngineConfig) -> Result<Engine, RuntimeError> {
+        match self {
+            Loaded::Cpu(m) => Engine::start(m.clone(), cfg(EngineConfig::with_kv_bytes(&**m, 0))),
+            #[cfg(feature = "cuda")]
+            Loaded::Cuda(m) => Engine::start(m.clone(), cfg(EngineConfig::with_kv_bytes(&**m, 0))),
+        }
+    }
+
+    fn kv_bytes_per_block(&self) -> usize {
+        use crate::step::StepModel;
+        match self {
+            Loaded::Cpu(m) => m.kv_bytes_per_block(crate::model::DEFAULT_BLOCK_SIZE),
+            #[cfg(feature = "cuda")]
+            Loaded::Cuda(m) => m.kv_bytes_per_block(crate::model::DEFAULT_BLOCK_SIZE),
+        }
+    }
+}
 
 /// Loads the model, tokenizer and engine. With `serve_while_loading` it returns as soon as the
 /// weights' arenas exist (no warm-up: the first request's forward pass waits layer by layer),
@@ -95,8 +176,10 @@ pub(crate) type LoadDone = std::thread::JoinHandle<Result<LoadStats, thaw_loader
 fn load_worker(o: &ServeOptions) -> Result<(Worker, ColdStart, Option<LoadDone>), RuntimeError> {
     let mut cs = ColdStart::new();
     let t = Instant::now();
-    let _ = thaw_kernels::ThreadPool::global();
-    cs.push("device_init", t.elapsed().as_secs_f64());
+    if o.device == Device::Cpu {
+        let _ = thaw_kernels::ThreadPool::global();
+    }
+    let device_init_s = t.elapsed().as_secs_f64();
     let t0 = Instant::now();
     // The tokenizer (tens of ms of JSON parsing and vocabulary building) loads on its own thread
     // while the weights stream in: the two share nothing, and the load is mostly waiting on I/O.
@@ -105,11 +188,7 @@ fn load_worker(o: &ServeOptions) -> Result<(Worker, ColdStart, Option<LoadDone>)
             let t = Instant::now();
             TextTokenizer::load(&o.model_dir).map(|tk| (tk, t.elapsed().as_secs_f64()))
         });
-        let model = if o.serve_while_loading {
-            Llama::load_streaming(&o.model_dir, &o.load).map(|(m, d)| (m, Some(d)))
-        } else {
-            Llama::load_with(&o.model_dir, &o.load).map(|m| (m, None))
-        };
+        let model = Loaded::load(o);
         let tok = tok.join().unwrap_or_else(|_| {
             Err(RuntimeError::Tokenizer(
                 "the tokenizer thread panicked".into(),
@@ -118,20 +197,25 @@ fn load_worker(o: &ServeOptions) -> Result<(Worker, ColdStart, Option<LoadDone>)
         (model, tok)
     });
     let (model, done) = model?;
-    let model = Arc::new(model);
     let (tok, tok_s) = tok?;
-    let st = model.load_stats().clone();
+    let st = model.stats().clone();
     if done.is_none() {
-        cs.push_load(&st);
+        model.push_phases(&mut cs, device_init_s);
+    } else {
+        cs.push("device_init", device_init_s);
     }
     // Overlapped with plan/read/verify: not on the critical path unless it is the longest.
     cs.push("tokenizer", tok_s);
     let load_s = t0.elapsed().as_secs_f64();
-    let mut cfg = EngineConfig::with_kv_bytes(&model, o.kv_cache_bytes);
-    cfg.max_batch_tokens = o.max_batch_tokens.max(1);
-    cfg.max_running = o.max_running.max(1);
-    let engine = Engine::start(model.clone(), cfg);
-    let mut eos = model.cfg.eos_ids();
+    let per_block = model.kv_bytes_per_block();
+    let engine = model.engine(|mut cfg| {
+        cfg.num_blocks = (o.kv_cache_bytes / per_block).max(1);
+        cfg.max_batch_tokens = o.max_batch_tokens.max(1);
+        cfg.max_running = o.max_running.max(1);
+        cfg
+    })?;
+    let model_cfg = model.cfg().clone();
+    let mut eos = model_cfg.eos_ids();
     eos.extend(tok.eos_id);
     // Warm up: one forward pass touches the KV store, the weights and the thread pool, so the
     // first real request does not pay for first touches (a second pass measured ~20 ms more
@@ -153,8 +237,7 @@ fn load_worker(o: &ServeOptions) -> Result<(Worker, ColdStart, Option<LoadDone>)
         }
         cs.push("warmup", t1.elapsed().as_secs_f64());
     }
-    let max_seq = model
-        .cfg
+    let max_seq = model_cfg
         .max_position_embeddings
         .min(engine.max_tokens_per_request());
     METRICS.load_bytes.set(st.bytes as i64);
@@ -182,7 +265,7 @@ fn load_worker(o: &ServeOptions) -> Result<(Worker, ColdStart, Option<LoadDone>)
     }
     Ok((
         Worker {
-            model,
+            model_cfg,
             tok,
             engine,
             eos,

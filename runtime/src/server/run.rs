@@ -36,7 +36,7 @@ impl Spec {
         if prompt.is_empty() {
             return Err(ApiError::bad_request("the prompt is empty").param("prompt"));
         }
-        let vocab = w.model.cfg.vocab_size;
+        let vocab = w.model_cfg.vocab_size;
         if let Some(t) = prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(ApiError::bad_request(format!(
                 "token id {t} is outside the vocabulary ({vocab})"

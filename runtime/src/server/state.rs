@@ -28,7 +28,7 @@ use super::telemetry::ColdStart;
 use super::webhook::Webhook;
 use super::ServeOptions;
 use crate::engine::Engine;
-use crate::{Llama, TextTokenizer};
+use crate::TextTokenizer;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum State {
@@ -57,7 +57,7 @@ impl State {
 
 /// What a loaded model brings: weights, tokenizer, the engine that runs them.
 pub struct Worker {
-    pub model: Arc<Llama>,
+    pub model_cfg: crate::ModelConfig,
     pub tok: TextTokenizer,
     pub engine: Engine,
     /// Ids that end a generation.
@@ -263,7 +263,7 @@ impl App {
                                     .unwrap_or_else(|e| e.into_inner())
                                     .as_mut()
                                 {
-                                    cs.push_load(&st);
+                                    cs.push_load(&st, 0.0);
                                     cs.load_s = total;
                                     cs.publish();
                                     log(format_args!("cold start: {}", cs.summary()));

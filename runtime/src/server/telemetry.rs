@@ -3,7 +3,8 @@
 //! that waited for it show them.
 //!
 //! Phases, in order: `exec` (process exec → `thaw serve` entry, from /proc: 10 ms resolution),
-//! `runtime_init` (entry → port listening), `device_init` (compute threads; CUDA context later),
+//! `runtime_init` (entry → port listening), `device_init` (compute threads, or the CUDA context; on a GPU then
+//! `compile` (NVRTC, or the PTX cache), `module_load` and `alloc`),
 //! `plan` (checkpoint open, header parse, read plan), `read` (bytes into memory), `copy`
 //! (host → device; zero on the CPU, where weights are used in place), `verify` (integrity
 //! hashes not hidden behind reads), `tokenizer`, `warmup` (engine start and one short request),
@@ -87,10 +88,11 @@ impl ColdStart {
     }
 
     /// The loader's phases from its stats.
-    pub fn push_load(&mut self, st: &thaw_loader::LoadStats) {
+    /// `copy_s`: host → device time the reads did not hide (zero on the CPU).
+    pub fn push_load(&mut self, st: &thaw_loader::LoadStats, copy_s: f64) {
         self.push("plan", st.plan_s);
         self.push("read", st.io_s);
-        self.push("copy", 0.0);
+        self.push("copy", copy_s);
         self.push("verify", st.verify_s);
     }
 

@@ -1,0 +1,288 @@
+//! `bench-coldstart gpu` (feature `cuda`): the CUDA backend checked against the CPU backend and
+//! timed against floors measured in the same run — what `scripts/gpu-check.sh` runs on a GPU
+//! host.
+//!
+//! 1. **Floors**: pinned host → device copy bandwidth (the load's floor) and device-memory read
+//!    bandwidth (decode's roofline), each the best of several passes.
+//! 2. **Correctness** on each `--check` checkpoint: the same prompt through the CPU and CUDA
+//!    models (prefill logits, then a batched step of three sequences over scattered,
+//!    non-contiguous block tables), relative error `‖a − b‖ / ‖b‖` per logit row; greedy
+//!    generations through each backend's engine, several concurrent requests; ids must match
+//!    exactly for f32 weights.
+//! 3. **Load**: `--big` (an 8B-shaped checkpoint, page cache warm) loaded to the device twice;
+//!    GB/s of the second against the pinned floor, and its cold-start phases.
+//! 4. **Decode**: batch 1 and batch 32 tokens/s on `--big` against the roofline
+//!    (`read bandwidth / weight bytes per step`).
+//!
+//! Results go to one JSON file (`--out`) and a short table on stdout.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+use thaw_kernels::cuda::{DevBuf, Gpu};
+use thaw_loader::LoadOptions;
+use thaw_runtime::cuda::CudaLlama;
+use thaw_runtime::engine::{Engine, EngineConfig, Request};
+use thaw_runtime::{Llama, SamplingParams, SeqChunk, StepModel};
+
+#[derive(clap::Args)]
+pub struct GpuArgs {
+    /// Checkpoints to compare CPU vs CUDA on (small; f32 gets the exact-ids check).
+    #[arg(long)]
+    check: Vec<PathBuf>,
+    /// A large checkpoint to time loading and decode on (e.g. `synth --shape llama-3-8b`).
+    #[arg(long)]
+    big: Option<PathBuf>,
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    /// Decode steps timed per batch size.
+    #[arg(long, default_value_t = 64)]
+    steps: usize,
+    #[arg(long)]
+    out: PathBuf,
+}
+
+fn pinned_h2d(gpu: &Gpu, bytes: usize, reps: usize) -> Result<f64> {
+    // SAFETY: the pinned buffer is only copied from; its contents do not matter.
+    let host = unsafe {
+        gpu.ctx
+            .alloc_pinned_with_flags::<u8>(bytes, cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE)
+    }?;
+    let mut dev = gpu.stream.alloc_zeros::<u8>(bytes)?;
+    let mut best = 0f64;
+    for _ in 0..reps + 1 {
+        gpu.sync()?;
+        let t = Instant::now();
+        gpu.stream.memcpy_htod(&host, &mut dev)?;
+        gpu.sync()?;
+        best = best.max(bytes as f64 / t.elapsed().as_secs_f64());
+    }
+    Ok(best)
+}
+
+/// Worst relative error `‖a − b‖ / ‖b‖` over rows of `vocab`.
+fn rel_err(a: &[f32], b: &[f32], vocab: usize) -> f64 {
+    a.chunks(vocab)
+        .zip(b.chunks(vocab))
+        .map(|(x, y)| {
+            let d: f64 = x.iter().zip(y).map(|(p, q)| ((p - q) as f64).powi(2)).sum();
+            let n: f64 = y.iter().map(|q| (*q as f64).powi(2)).sum();
+            (d / n.max(1e-30)).sqrt()
+        })
+        .fold(0.0, f64::max)
+}
+
+/// The prompt every check uses: deterministic ids spread over the vocabulary.
+fn prompt(vocab: usize, n: usize, salt: u64) -> Vec<u32> {
+    (0..n as u64)
+        .map(|i| ((i * 2_654_435_761 + salt * 97 + 11) % vocab as u64) as u32)
+        .collect()
+}
+
+/// Logits of a prefill, then of one batched step of three sequences with scattered tables.
+fn logits_of<M: StepModel>(m: &M) -> Result<(Vec<f32>, Vec<f32>)> {
+    let vocab = m.config().vocab_size;
+    let mut kv = m.new_kv(16, 64)?;
+    let p = prompt(vocab, 37, 1);
+    let t0: Vec<u32> = vec![9, 3, 40];
+    let prefill = m.forward_batch(
+        &[SeqChunk {
+            tokens: &p,
+            start: 0,
+            table: &t0,
+        }],
+        &mut kv,
+    )?;
+    let (q1, q2) = (prompt(vocab, 20, 2), prompt(vocab, 5, 3));
+    let (t1, t2): (Vec<u32>, Vec<u32>) = (vec![63, 0], vec![17]);
+    let next = [p[36]];
+    let batch = m.forward_batch(
+        &[
+            SeqChunk {
+                tokens: &next,
+                start: 37,
+                table: &t0,
+            },
+            SeqChunk {
+                tokens: &q1,
+                start: 0,
+                table: &t1,
+            },
+            SeqChunk {
+                tokens: &q2,
+                start: 0,
+                table: &t2,
+            },
+        ],
+        &mut kv,
+    )?;
+    Ok((prefill, batch))
+}
+
+/// Greedy outputs of 6 concurrent requests through the engine.
+fn engine_ids<M: StepModel>(m: Arc<M>) -> Result<Vec<Vec<u32>>> {
+    let vocab = m.config().vocab_size;
+    let mut cfg = EngineConfig::with_kv_bytes(&*m, 64 << 20);
+    cfg.max_batch_tokens = 64; // several chunked-prefill steps
+    let e = Engine::start(m, cfg)?;
+    let streams: Vec<_> = (0..6)
+        .map(|i| {
+            e.submit(Request {
+                prompt: prompt(vocab, 10 + 23 * i, i as u64 + 5),
+                max_tokens: 12,
+                sampling: SamplingParams::default(),
+                stop_ids: vec![],
+                ignore_eos: true,
+            })
+        })
+        .collect();
+    Ok(streams.into_iter().map(|s| s.collect().0).collect())
+}
+
+fn check(dir: &PathBuf, device: usize) -> Result<Value> {
+    let cpu = Arc::new(Llama::load(dir)?);
+    let f32_weights = cpu.weight_dtype() == thaw_loader::Dtype::F32;
+    let gpu = Arc::new(CudaLlama::load(dir, &LoadOptions::default(), device)?);
+    let vocab = cpu.cfg.vocab_size;
+    let (cp, cb) = logits_of(&*cpu)?;
+    let (gp, gb) = logits_of(&*gpu)?;
+    let prefill_err = rel_err(&gp, &cp, vocab);
+    let batch_err = rel_err(&gb, &cb, vocab);
+    let ci = engine_ids(cpu.clone())?;
+    let gi = engine_ids(gpu.clone())?;
+    let same = ci.iter().zip(&gi).filter(|(a, b)| a == b).count();
+    let limit = if f32_weights { 1e-4 } else { 1e-2 };
+    let ok = prefill_err < limit && batch_err < limit && (!f32_weights || same == ci.len());
+    println!(
+        "check {}: {} weights, prefill rel err {prefill_err:.2e}, batched step {batch_err:.2e} (limit {limit:.0e}); greedy ids equal in {same}/{} requests — {}",
+        dir.display(),
+        cpu.weight_dtype(),
+        ci.len(),
+        if ok { "PASS" } else { "FAIL" }
+    );
+    Ok(json!({
+        "model": dir, "dtype": cpu.weight_dtype().to_string(), "prefill_rel_err": prefill_err,
+        "batch_rel_err": batch_err, "limit": limit, "greedy_equal": same, "requests": ci.len(),
+        "pass": ok,
+    }))
+}
+
+fn decode_rate(m: &CudaLlama, batch: usize, steps: usize) -> Result<f64> {
+    let vocab = m.cfg.vocab_size;
+    let per_seq = (32 + steps + 1).div_ceil(16);
+    let mut kv = m.new_kv(16, per_seq * batch)?;
+    let tables: Vec<Vec<u32>> = (0..batch)
+        .map(|b| ((b * per_seq) as u32..((b + 1) * per_seq) as u32).collect())
+        .collect();
+    let prompts: Vec<Vec<u32>> = (0..batch).map(|b| prompt(vocab, 32, b as u64)).collect();
+    let chunks: Vec<SeqChunk> = (0..batch)
+        .map(|b| SeqChunk {
+            tokens: &prompts[b],
+            start: 0,
+            table: &tables[b],
+        })
+        .collect();
+    m.forward_batch(&chunks, &mut kv)?;
+    let next: Vec<[u32; 1]> = (0..batch).map(|b| [b as u32 + 1]).collect();
+    let mut t = Instant::now();
+    for s in 0..steps + 2 {
+        if s == 2 {
+            t = Instant::now(); // two untimed steps: cuBLAS picks its kernels
+        }
+        let chunks: Vec<SeqChunk> = (0..batch)
+            .map(|b| SeqChunk {
+                tokens: &next[b],
+                start: 32 + s,
+                table: &tables[b],
+            })
+            .collect();
+        m.forward_batch(&chunks, &mut kv)?;
+    }
+    Ok((batch * steps) as f64 / t.elapsed().as_secs_f64())
+}
+
+pub fn run(a: GpuArgs) -> Result<()> {
+    let t_all = Instant::now();
+    let gpu = Gpu::open(a.device, None).context("opening the GPU")?;
+    let info = gpu.info.clone();
+    println!(
+        "device: {} (sm_{}{}, {} GiB)",
+        info.name,
+        info.compute_capability.0,
+        info.compute_capability.1,
+        info.total_mem >> 30
+    );
+    let h2d = pinned_h2d(&gpu, 1 << 30, 5)?;
+    let probe: DevBuf = gpu.alloc(4 << 30)?;
+    let read_bw = gpu.read_bandwidth(&probe, 5)?;
+    drop(probe);
+    println!(
+        "floors: pinned H2D {:.1} GB/s, device read {:.0} GB/s",
+        h2d / 1e9,
+        read_bw / 1e9
+    );
+    drop(gpu);
+    let mut checks = vec![];
+    for d in &a.check {
+        checks.push(check(d, a.device).with_context(|| format!("checking {}", d.display()))?);
+    }
+    let mut big = Value::Null;
+    if let Some(dir) = &a.big {
+        let _first = CudaLlama::load(dir, &LoadOptions::default(), a.device)?;
+        drop(_first);
+        let m = CudaLlama::load(dir, &LoadOptions::default(), a.device)?;
+        let st = m.load_stats().clone();
+        let load_gbs = st.bytes as f64 / st.total_s / 1e9;
+        let p = m.phases.clone();
+        println!(
+            "load {}: {:.2} GB in {:.0} ms = {load_gbs:.1} GB/s = {:.0}% of pinned H2D ({}, copy wait {:.0} ms)",
+            dir.display(),
+            st.bytes as f64 / 1e9,
+            st.total_s * 1e3,
+            100.0 * load_gbs * 1e9 / h2d,
+            st.strategy,
+            p.copy_s * 1e3
+        );
+        let wb = m.weight_bytes() as f64;
+        let roof1 = read_bw / wb;
+        let mut dec = vec![];
+        for batch in [1usize, 32] {
+            let r = decode_rate(&m, batch, a.steps)?;
+            let roof = roof1 * batch as f64;
+            println!(
+                "decode batch {batch}: {r:.1} tokens/s; roofline {roof:.1} ({:.0}%)",
+                100.0 * r / roof
+            );
+            dec.push(
+                json!({"batch": batch, "tokens_per_s": r, "roofline_tokens_per_s": roof,
+                             "fraction_of_roofline": r / roof}),
+            );
+        }
+        big = json!({
+            "model": dir, "bytes": st.bytes, "load_s": st.total_s, "load_gb_per_s": load_gbs,
+            "fraction_of_pinned_h2d": load_gbs * 1e9 / h2d, "strategy": st.strategy,
+            "phases_s": {"device_init": p.context_s, "compile": p.compile_s,
+                         "compile_cache_hit": p.compile_cache_hit, "module_load": p.module_s,
+                         "alloc": p.alloc_s, "plan": st.plan_s, "read": st.io_s,
+                         "copy_wait": p.copy_s, "verify": st.verify_s, "widen": p.widen_s},
+            "weight_bytes_per_step": wb, "decode": dec,
+        });
+    }
+    let pass = checks.iter().all(|c| c["pass"] == true);
+    let out = json!({
+        "device": {"name": info.name, "compute_capability": [info.compute_capability.0,
+                   info.compute_capability.1], "total_mem": info.total_mem},
+        "pinned_h2d_bytes_per_s": h2d, "device_read_bytes_per_s": read_bw,
+        "checks": checks, "big": big, "pass": pass, "seconds": t_all.elapsed().as_secs_f64(),
+    });
+    std::fs::write(&a.out, serde_json::to_string_pretty(&out)?)
+        .with_context(|| format!("writing {}", a.out.display()))?;
+    println!("wrote {}", a.out.display());
+    if !pass {
+        bail!("the CUDA backend disagrees with the CPU backend (see above)");
+    }
+    Ok(())
+}

@@ -1,0 +1,527 @@
+//! One GPU, ready to compute: context, one stream, cuBLAS on that stream, the compiled kernels,
+//! and typed launches of each.
+//!
+//! Everything runs on the one stream, so kernels and copies are ordered by the stream alone.
+//! cudarc's per-buffer event tracking (for multi-stream safety) is therefore switched off, and
+//! kernels take raw device addresses ([`DevBuf::ptr`] plus an offset): weights are views into
+//! the loader's per-shard allocations, not separate buffers. Callers keep every buffer a queued
+//! kernel uses alive until the stream is synchronized ([`Gpu::sync`]).
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::cublas::{sys as blas_sys, CudaBlas};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+
+use super::{compile, CudaError, DeviceInfo};
+
+fn drv(e: impl std::fmt::Display) -> CudaError {
+    CudaError::Driver(e.to_string())
+}
+
+/// How elements are stored in a device buffer (the kernels' `kind` codes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Elem {
+    F32 = 0,
+    Bf16 = 1,
+    F16 = 2,
+}
+
+impl Elem {
+    pub fn bytes(self) -> usize {
+        match self {
+            Elem::F32 => 4,
+            _ => 2,
+        }
+    }
+    fn code(self) -> i32 {
+        self as i32
+    }
+    fn blas(self) -> blas_sys::cudaDataType {
+        match self {
+            Elem::F32 => blas_sys::cudaDataType::CUDA_R_32F,
+            Elem::Bf16 => blas_sys::cudaDataType::CUDA_R_16BF,
+            Elem::F16 => blas_sys::cudaDataType::CUDA_R_16F,
+        }
+    }
+}
+
+/// A device allocation and its address.
+pub struct DevBuf {
+    mem: CudaSlice<u8>,
+    ptr: u64,
+}
+
+impl DevBuf {
+    /// Wraps an allocation (e.g. one of the loader's shards).
+    pub fn new(mem: CudaSlice<u8>, stream: &CudaStream) -> DevBuf {
+        let ptr = {
+            let (p, _sync) = mem.device_ptr(stream);
+            p
+        };
+        DevBuf { mem, ptr }
+    }
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    pub fn len(&self) -> usize {
+        self.mem.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.mem.len() == 0
+    }
+}
+
+/// Time spent bringing the GPU up: the CUDA-specific cold-start phases.
+#[derive(Debug, Clone, Default)]
+pub struct GpuInit {
+    /// Creating the context (driver load, device attach).
+    pub context_s: f64,
+    /// NVRTC compile, or reading the cached PTX.
+    pub compile_s: f64,
+    pub compile_cache_hit: bool,
+    /// Loading the module (the driver's PTX → SASS step) and cuBLAS.
+    pub module_s: f64,
+}
+
+struct Kernels {
+    widen: CudaFunction,
+    embed: CudaFunction,
+    rmsnorm: CudaFunction,
+    add_bias: CudaFunction,
+    silu_mul: CudaFunction,
+    rope_store: CudaFunction,
+    attention: CudaFunction,
+    read_probe: CudaFunction,
+}
+
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    k: Kernels,
+    pub info: DeviceInfo,
+    pub init: GpuInit,
+}
+
+/// Query heads per KV head and head dimension the attention kernel holds in registers.
+pub const MAX_GROUP: usize = 8;
+pub const MAX_HEAD_DIM: usize = 128;
+
+fn grid_1d(n: usize, block: u32) -> LaunchConfig {
+    let blocks = n.div_ceil(block as usize).clamp(1, 65_535 * 4) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn rows(n: usize, block: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n as u32, 1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+impl Gpu {
+    /// Opens device `ordinal`, compiles (or finds cached) kernels, creates cuBLAS.
+    pub fn open(ordinal: usize, ptx_cache: Option<&Path>) -> Result<Gpu, CudaError> {
+        let t = Instant::now();
+        let (ctx, info) = super::open(ordinal)?;
+        // SAFETY: thaw uses one stream per context for compute, so cross-stream tracking events
+        // are never needed; the loader's copy stream is synchronized before its data is used.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.default_stream();
+        let context_s = t.elapsed().as_secs_f64();
+        let arch = info.compute_capability;
+        let mut ptx = compile::compile_cached(arch, ptx_cache)?;
+        let t = Instant::now();
+        let module = match ctx.load_module(Ptx::from_src(ptx.ptx.clone())) {
+            Ok(m) => m,
+            Err(e) if ptx.cache_hit => {
+                // A cached PTX the driver refuses (e.g. written by a newer NVRTC): compile anew.
+                if let Some(dir) = ptx_cache {
+                    compile::forget(arch, dir);
+                }
+                let _ = e;
+                ptx = compile::compile_cached(arch, ptx_cache)?;
+                ctx.load_module(Ptx::from_src(ptx.ptx.clone()))
+                    .map_err(drv)?
+            }
+            Err(e) => return Err(drv(e)),
+        };
+        let f = |name: &str| module.load_function(name).map_err(drv);
+        let k = Kernels {
+            widen: f("widen")?,
+            embed: f("embed")?,
+            rmsnorm: f("rmsnorm")?,
+            add_bias: f("add_bias")?,
+            silu_mul: f("silu_mul")?,
+            rope_store: f("rope_store")?,
+            attention: f("attention")?,
+            read_probe: f("read_probe")?,
+        };
+        let blas = CudaBlas::new(stream.clone()).map_err(drv)?;
+        let module_s = t.elapsed().as_secs_f64();
+        Ok(Gpu {
+            ctx,
+            stream,
+            blas,
+            k,
+            info,
+            init: GpuInit {
+                context_s,
+                compile_s: ptx.seconds,
+                compile_cache_hit: ptx.cache_hit,
+                module_s,
+            },
+        })
+    }
+
+    /// `len` bytes of device memory, zeroed.
+    pub fn alloc(&self, len: usize) -> Result<DevBuf, CudaError> {
+        let mem = self.stream.alloc_zeros::<u8>(len.max(1)).map_err(drv)?;
+        Ok(DevBuf::new(mem, &self.stream))
+    }
+
+    /// Copies `src` into `dst` at byte offset `at`.
+    pub fn upload<T: Copy>(&self, dst: &mut DevBuf, at: usize, src: &[T]) -> Result<(), CudaError> {
+        // SAFETY: plain-old-data viewed as bytes; the length is the slice's own.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(src.as_ptr() as *const u8, std::mem::size_of_val(src))
+        };
+        if at + bytes.len() > dst.len() {
+            return Err(CudaError::Driver(format!(
+                "upload of {} bytes at {at} overruns a {}-byte buffer",
+                bytes.len(),
+                dst.len()
+            )));
+        }
+        let mut view = dst.mem.slice_mut(at..at + bytes.len());
+        self.stream.memcpy_htod(bytes, &mut view).map_err(drv)
+    }
+
+    /// Copies `dst.len()` f32s from device address `src` (after everything queued before it).
+    pub fn download_f32(&self, src: &DevBuf, at: usize, dst: &mut [f32]) -> Result<(), CudaError> {
+        let n = std::mem::size_of_val(dst);
+        if at + n > src.len() {
+            return Err(CudaError::Driver("download overruns its buffer".into()));
+        }
+        // SAFETY: f32 has no invalid bit patterns; the byte length is the slice's own.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr() as *mut u8, n) };
+        let view = src.mem.slice(at..at + n);
+        self.stream.memcpy_dtoh(&view, bytes).map_err(drv)?;
+        self.sync()
+    }
+
+    /// Makes this GPU's context current on the calling thread (cuBLAS calls need it; the
+    /// engine steps on its own thread).
+    pub fn bind(&self) -> Result<(), CudaError> {
+        self.ctx.bind_to_thread().map_err(drv)
+    }
+
+    pub fn sync(&self) -> Result<(), CudaError> {
+        self.stream.synchronize().map_err(drv)
+    }
+
+    /// `dst[i] = src[i]` as f32 (`n` elements of kind `kind`).
+    pub fn widen(&self, src: u64, kind: Elem, dst: u64, n: usize) -> Result<(), CudaError> {
+        let (code, n64) = (kind.code(), n as i64);
+        let mut b = self.stream.launch_builder(&self.k.widen);
+        b.arg(&src).arg(&code).arg(&dst).arg(&n64);
+        // SAFETY: the kernel reads n elements at src and writes n f32 at dst (caller's buffers).
+        unsafe { b.launch(grid_1d(n, 256)) }.map_err(drv)?;
+        Ok(())
+    }
+
+    /// `out[r] = table[ids[r]]` widened to f32, rows of `d`.
+    pub fn embed(
+        &self,
+        table: u64,
+        kind: Elem,
+        ids: u64,
+        n: usize,
+        d: usize,
+        out: u64,
+    ) -> Result<(), CudaError> {
+        let (code, d32) = (kind.code(), d as i32);
+        let mut b = self.stream.launch_builder(&self.k.embed);
+        b.arg(&table).arg(&code).arg(&ids).arg(&d32).arg(&out);
+        // SAFETY: ids holds n valid row indices (checked on the host), out n·d f32.
+        unsafe { b.launch(rows(n, 256)) }.map_err(drv)?;
+        Ok(())
+    }
+
+    /// RMSNorm of `n` rows of `d` (row `rows[r]` of `x` when `rows` is nonzero), stored as `out_kind`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm(
+        &self,
+        x: u64,
+        rows_map: u64,
+        w: u64,
+        n: usize,
+        d: usize,
+        eps: f32,
+        out: u64,
+        out_kind: Elem,
+    ) -> Result<(), CudaError> {
+        let (d32, code) = (d as i32, out_kind.code());
+        let block = if d >= 2048 { 1024 } else { 256 };
+        let mut b = self.stream.launch_builder(&self.k.rmsnorm);
+        b.arg(&x)
+            .arg(&rows_map)
+            .arg(&w)
+            .arg(&d32)
+            .arg(&eps)
+            .arg(&out)
+            .arg(&code);
+        // SAFETY: x holds the rows named, w d f32, out n·d elements.
+        unsafe { b.launch(rows(n, block)) }.map_err(drv)?;
+        Ok(())
+    }
+
+    /// `x[i] += bias[i % d]` for `n` elements.
+    pub fn add_bias(&self, x: u64, bias: u64, d: usize, n: usize) -> Result<(), CudaError> {
+        let (d32, n64) = (d as i32, n as i64);
+        let mut b = self.stream.launch_builder(&self.k.add_bias);
+        b.arg(&x).arg(&bias).arg(&d32).arg(&n64);
+        // SAFETY: x holds n f32, bias d f32.
+        unsafe { b.launch(grid_1d(n, 256)) }.map_err(drv)?;
+        Ok(())
+    }
+
+    /// `out = silu(g) · u` (`n` elements), stored as `out_kind`.
+    pub fn silu_mul(
+        &self,
+        g: u64,
+        u: u64,
+        out: u64,
+        out_kind: Elem,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        let (code, n64) = (out_kind.code(), n as i64);
+        let mut b = self.stream.launch_builder(&self.k.silu_mul);
+        b.arg(&g).arg(&u).arg(&out).arg(&code).arg(&n64);
+        // SAFETY: g, u hold n f32; out n elements of out_kind.
+        unsafe { b.launch(grid_1d(n, 256)) }.map_err(drv)?;
+        Ok(())
+    }
+
+    /// RoPE on `n` rows of queries (in place) and keys, then keys and values into the cache.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope_store(
+        &self,
+        q: u64,
+        k: u64,
+        v: u64,
+        cos: u64,
+        sin: u64,
+        n: usize,
+        shape: AttnDims,
+        kc: u64,
+        vc: u64,
+        kv_kind: Elem,
+        slots: u64,
+        layer_off: usize,
+    ) -> Result<(), CudaError> {
+        let (nh, nkv, hd) = (
+            shape.n_heads as i32,
+            shape.n_kv_heads as i32,
+            shape.head_dim as i32,
+        );
+        let (code, off) = (kv_kind.code(), layer_off as i64);
+        let mut b = self.stream.launch_builder(&self.k.rope_store);
+        b.arg(&q)
+            .arg(&k)
+            .arg(&v)
+            .arg(&cos)
+            .arg(&sin)
+            .arg(&nh)
+            .arg(&nkv)
+            .arg(&hd)
+            .arg(&kc)
+            .arg(&vc)
+            .arg(&code)
+            .arg(&slots)
+            .arg(&off);
+        // SAFETY: slots (checked on the host against the store's size) address rows inside kc/vc.
+        unsafe { b.launch(rows(n, 128)) }.map_err(drv)?;
+        Ok(())
+    }
+
+    /// Causal paged GQA attention for `n` query rows (see `kernels.cu`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention(
+        &self,
+        q: u64,
+        kc: u64,
+        vc: u64,
+        kv_kind: Elem,
+        paging: Paging,
+        n: usize,
+        shape: AttnDims,
+        out: u64,
+        out_kind: Elem,
+    ) -> Result<(), CudaError> {
+        shape.check()?;
+        let (nh, nkv, hd) = (
+            shape.n_heads as i32,
+            shape.n_kv_heads as i32,
+            shape.head_dim as i32,
+        );
+        let scale = 1.0 / (shape.head_dim as f32).sqrt();
+        let (kvc, oc) = (kv_kind.code(), out_kind.code());
+        let (bs, stride, loff) = (
+            paging.block_size as i32,
+            paging.block_stride as i64,
+            paging.layer_off as i64,
+        );
+        let mut b = self.stream.launch_builder(&self.k.attention);
+        b.arg(&q)
+            .arg(&kc)
+            .arg(&vc)
+            .arg(&kvc)
+            .arg(&paging.pos)
+            .arg(&paging.table_off)
+            .arg(&paging.tables)
+            .arg(&bs)
+            .arg(&stride)
+            .arg(&loff)
+            .arg(&nh)
+            .arg(&nkv)
+            .arg(&hd)
+            .arg(&scale)
+            .arg(&out)
+            .arg(&oc);
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, shape.n_kv_heads as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: every row's table covers its positions and every block id is inside the
+        // store (both checked on the host before the step).
+        unsafe { b.launch(cfg) }.map_err(drv)?;
+        Ok(())
+    }
+
+    /// `y[n, out] = x[n, in] · Wᵀ + beta · y` with W `[out, in]` row-major in `w_kind`, x in the
+    /// same kind, y f32, f32 accumulation (cuBLAS GemmEx; tensor cores for 16-bit kinds).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm(
+        &self,
+        w: u64,
+        w_kind: Elem,
+        out_dim: usize,
+        in_dim: usize,
+        x: u64,
+        n: usize,
+        y: u64,
+        beta: f32,
+    ) -> Result<(), CudaError> {
+        let alpha = 1.0f32;
+        // Column-major view: Yᵀ[out, n] = (W as col-major [in, out])ᵀ · (X as col-major [in, n]).
+        // SAFETY: the pointers address buffers of the stated shapes; alpha/beta are host f32
+        // (the handle's default pointer mode).
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                out_dim as i32,
+                n as i32,
+                in_dim as i32,
+                &alpha as *const f32 as *const _,
+                w as *const _,
+                w_kind.blas(),
+                in_dim as i32,
+                x as *const _,
+                w_kind.blas(),
+                in_dim as i32,
+                &beta as *const f32 as *const _,
+                y as *mut _,
+                Elem::F32.blas(),
+                out_dim as i32,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(drv)
+    }
+
+    /// Measures device-memory read bandwidth over `buf` (bytes/s, best of `reps`): the HBM
+    /// roofline decode is held against.
+    pub fn read_bandwidth(&self, buf: &DevBuf, reps: usize) -> Result<f64, CudaError> {
+        let n4 = (buf.len() / 16) as i64;
+        let sink = self.alloc(16)?;
+        let (p, s) = (buf.ptr(), sink.ptr());
+        let sms = self
+            .ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(drv)? as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (sms * 8, 1, 1),
+            block_dim: (512, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut best = 0f64;
+        for _ in 0..reps.max(1) + 1 {
+            self.sync()?;
+            let t = Instant::now();
+            let mut b = self.stream.launch_builder(&self.k.read_probe);
+            b.arg(&p).arg(&n4).arg(&s);
+            // SAFETY: reads n4 float4 inside buf; writes at most one float into sink.
+            unsafe { b.launch(cfg) }.map_err(drv)?;
+            self.sync()?;
+            best = best.max((n4 * 16) as f64 / t.elapsed().as_secs_f64());
+        }
+        Ok(best)
+    }
+}
+
+/// Attention shape (mirrors `ops::AttnShape`).
+#[derive(Debug, Clone, Copy)]
+pub struct AttnDims {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl AttnDims {
+    /// Whether the attention kernel takes this shape (it keeps a query group in registers).
+    pub fn check(&self) -> Result<(), CudaError> {
+        let ok = self.n_kv_heads > 0
+            && self.n_heads.is_multiple_of(self.n_kv_heads)
+            && self.n_heads / self.n_kv_heads <= MAX_GROUP
+            && self.head_dim <= MAX_HEAD_DIM
+            && self.head_dim.is_multiple_of(2);
+        if ok {
+            Ok(())
+        } else {
+            Err(CudaError::Unsupported(format!(
+                "{} query heads over {} KV heads of dimension {}: the CUDA attention kernel takes \
+                 up to {MAX_GROUP} query heads per KV head and head_dim up to {MAX_HEAD_DIM}",
+                self.n_heads, self.n_kv_heads, self.head_dim
+            )))
+        }
+    }
+}
+
+/// Where attention finds each row's keys and values: device addresses of the per-row position,
+/// per-row offset into the flattened block tables, the tables; and the store's layout.
+#[derive(Debug, Clone, Copy)]
+pub struct Paging {
+    pub pos: u64,
+    pub table_off: u64,
+    pub tables: u64,
+    pub block_size: usize,
+    pub block_stride: usize,
+    pub layer_off: usize,
+}

@@ -1,0 +1,247 @@
+// thaw's CUDA kernels, compiled at run time by NVRTC for the device's architecture.
+//
+// No headers: NVRTC ships none by default, so the 16-bit conversions are written out (bf16 by
+// bit operations, rounding to nearest even like the CPU's `half` crate; f16 with PTX `cvt`).
+// Matrix products are cuBLAS's; these are the memory-bound pieces between them. Every kernel
+// mirrors a CPU function in `ops.rs` (same formula, same order where it matters) so the two
+// backends can be compared on the same weights.
+//
+// Element kinds (`kind` arguments): 0 = f32, 1 = bf16, 2 = f16.
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+
+#define NEG_INF __int_as_float(0xff800000u)
+
+__device__ __forceinline__ float bf16_to_f32(u16 x) { return __uint_as_float(((u32)x) << 16); }
+
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40u);  // quiet NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (u16)(u >> 16);
+}
+
+__device__ __forceinline__ float f16_to_f32(u16 x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+    return f;
+}
+
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ float load_elem(const void* p, i64 i, int kind) {
+    if (kind == 0) return ((const float*)p)[i];
+    if (kind == 1) return bf16_to_f32(((const u16*)p)[i]);
+    return f16_to_f32(((const u16*)p)[i]);
+}
+
+__device__ __forceinline__ void store_elem(void* p, i64 i, float v, int kind) {
+    if (kind == 0) ((float*)p)[i] = v;
+    else if (kind == 1) ((u16*)p)[i] = f32_to_bf16(v);
+    else ((u16*)p)[i] = f32_to_f16(v);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the total.
+__device__ float block_sum(float v) {
+    __shared__ float part[32];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();  // `part` may still be read by a previous call
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    float t = lane < nw ? part[lane] : 0.0f;
+    return warp_sum(t);
+}
+
+// `dst[i] = src[i]` widened to f32 (norm weights and biases, once at load).
+extern "C" __global__ void widen(const void* src, int kind, float* dst, i64 n) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        dst[i] = load_elem(src, i, kind);
+}
+
+// Row r of `out` (f32, [n, d]) = row ids[r] of the embedding table. Grid: n blocks.
+extern "C" __global__ void embed(const void* table, int kind, const u32* ids, int d, float* out) {
+    i64 src = (i64)ids[blockIdx.x] * d, dst = (i64)blockIdx.x * d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) out[dst + i] = load_elem(table, src + i, kind);
+}
+
+// out[r] = x[rows ? rows[r] : r] / sqrt(mean(x²) + eps) * w, stored as `out_kind`. Grid: n blocks.
+extern "C" __global__ void rmsnorm(const float* x, const u32* rows, const float* w, int d, float eps,
+                                   void* out, int out_kind) {
+    int r = blockIdx.x;
+    const float* xr = x + (i64)(rows ? rows[r] : r) * d;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = block_sum(ss);
+    float scale = 1.0f / sqrtf(ss / (float)d + eps);
+    for (int i = threadIdx.x; i < d; i += blockDim.x)
+        store_elem(out, (i64)r * d + i, xr[i] * scale * w[i], out_kind);
+}
+
+// x[i] += b[i % d] over `n` elements (Q/K/V biases).
+extern "C" __global__ void add_bias(float* x, const float* b, int d, i64 n) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        x[i] += b[i % d];
+}
+
+// out = silu(g) · u, stored as `out_kind`.
+extern "C" __global__ void silu_mul(const float* g, const float* u, void* out, int out_kind, i64 n) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        float v = g[i];
+        store_elem(out, i, v / (1.0f + expf(-v)) * u[i], out_kind);
+    }
+}
+
+// Per row r (grid: n blocks): "rotate half" RoPE on its query and key heads with the row's angles
+// (cos/sin `[n, hd/2]`, computed on the host in f64 exactly as the CPU does), then the rotated
+// key and the value stored into the paged cache at element `slot[r] + layer_off`.
+extern "C" __global__ void rope_store(float* q, const float* k, const float* v, const float* cos_t,
+                                      const float* sin_t, int n_heads, int n_kv, int hd,
+                                      void* kc, void* vc, int kv_kind, const i64* slot,
+                                      i64 layer_off) {
+    int r = blockIdx.x, half = hd / 2;
+    const float* c = cos_t + (i64)r * half;
+    const float* s = sin_t + (i64)r * half;
+    float* qr = q + (i64)r * n_heads * hd;
+    for (int t = threadIdx.x; t < n_heads * half; t += blockDim.x) {
+        int h = t / half, i = t % half;
+        float x1 = qr[h * hd + i], x2 = qr[h * hd + i + half];
+        qr[h * hd + i] = x1 * c[i] - x2 * s[i];
+        qr[h * hd + i + half] = x2 * c[i] + x1 * s[i];
+    }
+    int kv_dim = n_kv * hd;
+    const float* kr = k + (i64)r * kv_dim;
+    const float* vr = v + (i64)r * kv_dim;
+    i64 at = slot[r] + layer_off;
+    for (int t = threadIdx.x; t < n_kv * half; t += blockDim.x) {
+        int h = t / half, i = t % half;
+        float x1 = kr[h * hd + i], x2 = kr[h * hd + i + half];
+        store_elem(kc, at + h * hd + i, x1 * c[i] - x2 * s[i], kv_kind);
+        store_elem(kc, at + h * hd + i + half, x2 * c[i] + x1 * s[i], kv_kind);
+    }
+    for (int t = threadIdx.x; t < kv_dim; t += blockDim.x) store_elem(vc, at + t, vr[t], kv_kind);
+}
+
+#define ATT_WARPS 4
+#define ATT_MAX_GROUP 8
+#define ATT_MAX_PER_LANE 4  // head_dim <= 128
+
+// Causal GQA attention over a paged cache. Grid: (rows, kv heads); block: ATT_WARPS warps. The
+// block serves the `group` query heads that share KV head `blockIdx.y`, so each key and value row
+// is read once for all of them. Warp w takes positions w, w + ATT_WARPS, …; lanes split the head
+// dimension (lane + 32·j). Each warp keeps an online softmax (running max, sum, weighted values)
+// per head; the warps' partial results are merged at the end.
+// Position p of the row's sequence sits at element
+// table[p / block_size] · block_stride + layer_off + (p % block_size) · kv_dim + kvh · hd.
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
+attention(const float* q, const void* kc, const void* vc, int kv_kind, const u32* pos_of_row,
+          const u32* table_off, const u32* tables, int block_size, i64 block_stride, i64 layer_off,
+          int n_heads, int n_kv, int hd, float scale, void* out, int out_kind) {
+    int r = blockIdx.x, kvh = blockIdx.y;
+    int group = n_heads / n_kv, kv_dim = n_kv * hd;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int per = (hd + 31) / 32;
+    u32 pos = pos_of_row[r];
+    const u32* table = tables + table_off[r];
+
+    float qv[ATT_MAX_GROUP][ATT_MAX_PER_LANE], acc[ATT_MAX_GROUP][ATT_MAX_PER_LANE];
+    float m[ATT_MAX_GROUP], l[ATT_MAX_GROUP];
+#pragma unroll
+    for (int g = 0; g < ATT_MAX_GROUP; g++) {
+        m[g] = NEG_INF;
+        l[g] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < ATT_MAX_PER_LANE; j++) {
+            int d = lane + 32 * j;
+            bool ok = g < group && j < per && d < hd;
+            qv[g][j] = ok ? q[((i64)r * n_heads + kvh * group + g) * hd + d] : 0.0f;
+            acc[g][j] = 0.0f;
+        }
+    }
+    for (u32 p = warp; p <= pos; p += ATT_WARPS) {
+        i64 base = (i64)table[p / block_size] * block_stride + layer_off +
+                   (i64)(p % block_size) * kv_dim + (i64)kvh * hd;
+        float kk[ATT_MAX_PER_LANE], vv[ATT_MAX_PER_LANE];
+#pragma unroll
+        for (int j = 0; j < ATT_MAX_PER_LANE; j++) {
+            int d = lane + 32 * j;
+            bool ok = j < per && d < hd;
+            kk[j] = ok ? load_elem(kc, base + d, kv_kind) : 0.0f;
+            vv[j] = ok ? load_elem(vc, base + d, kv_kind) : 0.0f;
+        }
+#pragma unroll
+        for (int g = 0; g < ATT_MAX_GROUP; g++) {
+            if (g >= group) break;
+            float s = 0.0f;
+#pragma unroll
+            for (int j = 0; j < ATT_MAX_PER_LANE; j++) s += qv[g][j] * kk[j];
+            s = warp_sum(s) * scale;
+            float mn = fmaxf(m[g], s);
+            float corr = expf(m[g] - mn);  // exp(-inf) = 0 on the first position
+            float e = expf(s - mn);
+            l[g] = l[g] * corr + e;
+#pragma unroll
+            for (int j = 0; j < ATT_MAX_PER_LANE; j++) acc[g][j] = acc[g][j] * corr + e * vv[j];
+            m[g] = mn;
+        }
+    }
+    // Merge the warps: each publishes (m, l, acc) per head; warp 0 combines them.
+    __shared__ float sm[ATT_WARPS][ATT_MAX_GROUP], sl[ATT_WARPS][ATT_MAX_GROUP];
+    __shared__ float sacc[ATT_WARPS][ATT_MAX_GROUP][ATT_MAX_PER_LANE * 32];
+#pragma unroll
+    for (int g = 0; g < ATT_MAX_GROUP; g++) {
+        if (g < group) {
+            if (lane == 0) {
+                sm[warp][g] = m[g];
+                sl[warp][g] = l[g];
+            }
+#pragma unroll
+            for (int j = 0; j < ATT_MAX_PER_LANE; j++) sacc[warp][g][lane + 32 * j] = acc[g][j];
+        }
+    }
+    __syncthreads();
+    if (warp != 0) return;
+    for (int g = 0; g < group; g++) {
+        float mx = NEG_INF;
+        for (int w = 0; w < ATT_WARPS; w++) mx = fmaxf(mx, sm[w][g]);
+        float total = 0.0f;
+        float o[ATT_MAX_PER_LANE] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int w = 0; w < ATT_WARPS; w++) {
+            if (sm[w][g] == NEG_INF) continue;  // a warp that saw no position
+            float f = expf(sm[w][g] - mx);
+            total += sl[w][g] * f;
+#pragma unroll
+            for (int j = 0; j < ATT_MAX_PER_LANE; j++) o[j] += sacc[w][g][lane + 32 * j] * f;
+        }
+        float inv = 1.0f / total;
+#pragma unroll
+        for (int j = 0; j < ATT_MAX_PER_LANE; j++) {
+            int d = lane + 32 * j;
+            if (j < per && d < hd)
+                store_elem(out, ((i64)r * n_heads + kvh * group + g) * hd + d, o[j] * inv, out_kind);
+        }
+    }
+}
+
+// Device-memory read bandwidth probe: sums `n` floats (each thread a strided slice), so the
+// roofline is measured on the device in the same run as the decode it bounds.
+extern "C" __global__ void read_probe(const float4* p, i64 n4, float* sink) {
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n4; i += (i64)gridDim.x * blockDim.x) {
+        float4 v = p[i];
+        a.x += v.x; a.y += v.y; a.z += v.z; a.w += v.w;
+    }
+    float s = a.x + a.y + a.z + a.w;
+    if (s == 1234.5f) sink[0] = s;  // never true for zeros; keeps the loads alive
+}

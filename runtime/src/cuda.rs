@@ -1,0 +1,447 @@
+//! The Llama-family model on a CUDA GPU (feature `cuda`), behind the same [`StepModel`]
+//! interface as the CPU model — the engine, scheduler, block manager and prefix cache are the
+//! same code whichever backend computes.
+//!
+//! * **Weights** go from disk straight to device memory through the loader's pinned staging ring
+//!   (`thaw_loader::cuda::load_to_device`: reads overlap host → device copies, same plan and
+//!   integrity check as the CPU load). Tensors are addresses inside the per-shard allocations,
+//!   in their checkpoint dtype; only norm weights and biases are widened to f32 (on the device).
+//! * **A step** is the CPU pass's structure with device kernels: the host builds the
+//!   [`StepPlan`] (positions, cache slots, block tables, RoPE angles — tested against the CPU
+//!   store), uploads it in one copy, and queues embedding → per layer (RMSNorm, Q/K/V GEMMs,
+//!   RoPE + cache store, paged attention, O GEMM accumulated into the residual, RMSNorm,
+//!   gate/up GEMMs, SiLU·mul, down GEMM accumulated into the residual) → final norm of the
+//!   picked rows → LM head. One synchronization per step: the logits download.
+//! * **Precision** follows the weights: bf16/f16 weights take bf16/f16 activations into cuBLAS
+//!   (f32 accumulation, tensor cores) and a bf16 KV cache, like the CPU's AVX512-BF16 path;
+//!   f32 weights stay f32 end to end (no TF32), for a tight comparison with the CPU.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use thaw_kernels::cuda::{AttnDims, DevBuf, Elem, Gpu, Paging};
+use thaw_loader::{Checkpoint, Dtype, LoadOptions, LoadStats, TensorEntry};
+
+use crate::model::{inv_freq, SeqChunk, Tensors};
+use crate::step::{validate, KvLayout, StepModel, StepPlan};
+use crate::{KvDtype, ModelConfig, RuntimeError};
+
+fn cuda_err(e: impl std::fmt::Display) -> RuntimeError {
+    RuntimeError::Config(format!("CUDA: {e}"))
+}
+
+fn elem(d: Dtype) -> Elem {
+    match d {
+        Dtype::F32 => Elem::F32,
+        Dtype::BF16 => Elem::Bf16,
+        _ => Elem::F16,
+    }
+}
+
+/// A weight matrix `[rows, cols]` in device memory.
+#[derive(Clone, Copy)]
+struct Mat {
+    ptr: u64,
+    rows: usize,
+    cols: usize,
+    kind: Elem,
+}
+
+struct DevLayer {
+    attn_norm: DevBuf,
+    mlp_norm: DevBuf,
+    q: Mat,
+    k: Mat,
+    v: Mat,
+    o: Mat,
+    gate: Mat,
+    up: Mat,
+    down: Mat,
+    q_bias: Option<DevBuf>,
+    k_bias: Option<DevBuf>,
+    v_bias: Option<DevBuf>,
+}
+
+/// Keys and values in device memory, in the CPU store's layout (`[block][layer][slot][kv_dim]`).
+pub struct DeviceKv {
+    k: DevBuf,
+    v: DevBuf,
+    layout: KvLayout,
+    kind: Elem,
+}
+
+impl DeviceKv {
+    pub fn layout(&self) -> KvLayout {
+        self.layout
+    }
+}
+
+/// Activation buffers for up to `rows` rows and `picked` logit rows, grown on demand.
+struct Scratch {
+    rows: usize,
+    picked: usize,
+    meta: DevBuf,
+    x: DevBuf,
+    xn: DevBuf,
+    q: DevBuf,
+    k: DevBuf,
+    v: DevBuf,
+    att: DevBuf,
+    g: DevBuf,
+    u: DevBuf,
+    hid: DevBuf,
+    logits: DevBuf,
+}
+
+/// How a CUDA model came up: the CUDA-specific cold-start phases, in seconds.
+#[derive(Debug, Clone, Default)]
+pub struct CudaLoadPhases {
+    pub context_s: f64,
+    pub compile_s: f64,
+    pub compile_cache_hit: bool,
+    pub module_s: f64,
+    pub alloc_s: f64,
+    pub copy_s: f64,
+    pub widen_s: f64,
+}
+
+pub struct CudaLlama {
+    pub cfg: ModelConfig,
+    gpu: Arc<Gpu>,
+    _shards: Vec<DevBuf>,
+    embed: Mat,
+    lm_head: Mat,
+    norm: DevBuf,
+    layers: Vec<DevLayer>,
+    act: Elem,
+    kv_kind: Elem,
+    inv_freq: Vec<f64>,
+    scratch: Mutex<Option<Scratch>>,
+    stats: LoadStats,
+    pub phases: CudaLoadPhases,
+}
+
+/// Where PTX is cached between cold starts: `$THAW_HOME/ptx` (default `~/.cache/thaw/ptx`).
+pub fn ptx_cache_dir() -> Option<std::path::PathBuf> {
+    Some(crate::fetch::thaw_home().join("ptx"))
+}
+
+impl CudaLlama {
+    /// Opens GPU `ordinal`, checks `dir`'s config and tensors, loads the weights to the device.
+    pub fn load(dir: &Path, opts: &LoadOptions, ordinal: usize) -> Result<CudaLlama, RuntimeError> {
+        let cfg = ModelConfig::load(dir)?;
+        let ck = Checkpoint::open(dir)?;
+        let t = Tensors::find(&cfg, &ck)?;
+        let dims = AttnDims {
+            n_heads: cfg.num_attention_heads,
+            n_kv_heads: cfg.n_kv_heads(),
+            head_dim: cfg.head_dim(),
+        };
+        dims.check().map_err(cuda_err)?;
+        let gpu = Arc::new(Gpu::open(ordinal, ptx_cache_dir().as_deref()).map_err(cuda_err)?);
+        let loaded = thaw_loader::cuda::load_to_device(&ck, opts, &gpu.ctx, 4)
+            .map_err(RuntimeError::from)?;
+        let shards: Vec<DevBuf> = loaded
+            .shards
+            .into_iter()
+            .map(|m| DevBuf::new(m, &gpu.stream))
+            .collect();
+        let addr = |e: &TensorEntry| -> Result<u64, RuntimeError> {
+            let a =
+                shards[e.shard].ptr() + loaded.plan.shards[e.shard].data_offset() + e.info.begin;
+            let align = if e.info.dtype == Dtype::F32 { 4 } else { 2 };
+            if !a.is_multiple_of(align) {
+                return Err(RuntimeError::Config(format!(
+                    "tensor '{}' is not aligned to its {} element size",
+                    e.info.name, e.info.dtype
+                )));
+            }
+            Ok(a)
+        };
+        let mat = |e: &TensorEntry| -> Result<Mat, RuntimeError> {
+            Ok(Mat {
+                ptr: addr(e)?,
+                rows: e.info.shape[0],
+                cols: e.info.shape[1],
+                kind: elem(e.info.dtype),
+            })
+        };
+        let tw = Instant::now();
+        let widen = |e: &TensorEntry| -> Result<DevBuf, RuntimeError> {
+            let n = e.info.shape.iter().product::<usize>();
+            let out = gpu.alloc(n * 4).map_err(cuda_err)?;
+            gpu.widen(addr(e)?, elem(e.info.dtype), out.ptr(), n)
+                .map_err(cuda_err)?;
+            Ok(out)
+        };
+        let mut layers = Vec::with_capacity(t.layers.len());
+        for l in &t.layers {
+            layers.push(DevLayer {
+                attn_norm: widen(&l.attn_norm)?,
+                mlp_norm: widen(&l.mlp_norm)?,
+                q: mat(&l.q)?,
+                k: mat(&l.k)?,
+                v: mat(&l.v)?,
+                o: mat(&l.o)?,
+                gate: mat(&l.gate)?,
+                up: mat(&l.up)?,
+                down: mat(&l.down)?,
+                q_bias: l.q_bias.as_ref().map(widen).transpose()?,
+                k_bias: l.k_bias.as_ref().map(widen).transpose()?,
+                v_bias: l.v_bias.as_ref().map(widen).transpose()?,
+            });
+        }
+        let norm = widen(&t.norm)?;
+        gpu.sync().map_err(cuda_err)?;
+        let widen_s = tw.elapsed().as_secs_f64();
+        let embed = mat(&t.embed)?;
+        let lm_head = mat(&t.lm_head)?;
+        let act = embed.kind;
+        // The CPU's policy (bf16 KV with bf16 weights; THAW_KV_DTYPE overrides), one place.
+        let kv_kind = match crate::model::kv_dtype_for(t.embed.info.dtype) {
+            KvDtype::F32 => Elem::F32,
+            KvDtype::Bf16 => Elem::Bf16,
+        };
+        let init = gpu.init.clone();
+        Ok(CudaLlama {
+            inv_freq: inv_freq(&cfg),
+            cfg,
+            _shards: shards,
+            embed,
+            lm_head,
+            norm,
+            layers,
+            act,
+            kv_kind,
+            scratch: Mutex::new(None),
+            stats: loaded.stats,
+            phases: CudaLoadPhases {
+                context_s: init.context_s,
+                compile_s: init.compile_s,
+                compile_cache_hit: init.compile_cache_hit,
+                module_s: init.module_s,
+                alloc_s: loaded.alloc_s,
+                copy_s: loaded.copy_s,
+                widen_s,
+            },
+            gpu,
+        })
+    }
+
+    pub fn load_stats(&self) -> &LoadStats {
+        &self.stats
+    }
+
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    /// Bytes of weights read per decoded token (as [`crate::Llama::weight_bytes`]).
+    pub fn weight_bytes(&self) -> u64 {
+        let m = |m: &Mat| (m.rows * m.cols * m.kind.bytes()) as u64;
+        let mut b: u64 = self
+            .layers
+            .iter()
+            .map(|l| {
+                [l.q, l.k, l.v, l.o, l.gate, l.up, l.down]
+                    .iter()
+                    .map(m)
+                    .sum::<u64>()
+            })
+            .sum();
+        b += m(&self.lm_head);
+        b
+    }
+
+    fn dims(&self) -> AttnDims {
+        AttnDims {
+            n_heads: self.cfg.num_attention_heads,
+            n_kv_heads: self.cfg.n_kv_heads(),
+            head_dim: self.cfg.head_dim(),
+        }
+    }
+
+    fn scratch<'a>(
+        &self,
+        slot: &'a mut Option<Scratch>,
+        rows: usize,
+        picked: usize,
+        meta_bytes: usize,
+    ) -> Result<&'a mut Scratch, RuntimeError> {
+        let fits = slot
+            .as_ref()
+            .is_some_and(|s| s.rows >= rows && s.picked >= picked && s.meta.len() >= meta_bytes);
+        if !fits {
+            *slot = None; // free the old buffers before the larger ones are made
+            let c = &self.cfg;
+            let rows = rows.next_power_of_two().max(16);
+            let picked = picked.next_power_of_two().max(16);
+            let (h, ffn) = (c.hidden_size, c.intermediate_size);
+            let a = |n: usize| self.gpu.alloc(n * 4).map_err(cuda_err);
+            *slot = Some(Scratch {
+                rows,
+                picked,
+                meta: a(meta_bytes.next_power_of_two().max(4096) / 4)?,
+                x: a(rows * h)?,
+                xn: a(rows.max(picked) * h)?,
+                q: a(rows * c.q_dim())?,
+                k: a(rows * c.kv_dim())?,
+                v: a(rows * c.kv_dim())?,
+                att: a(rows * c.q_dim())?,
+                g: a(rows * ffn)?,
+                u: a(rows * ffn)?,
+                hid: a(rows * ffn)?,
+                logits: a(picked * c.vocab_size)?,
+            });
+        }
+        Ok(slot.as_mut().expect("just made"))
+    }
+
+    fn run(&self, seqs: &[SeqChunk<'_>], kv: &mut DeviceKv) -> Result<Vec<f32>, RuntimeError> {
+        let c = &self.cfg;
+        validate(c, seqs, kv.layout.block_size, kv.layout.blocks)?;
+        let plan = StepPlan::build(seqs, kv.layout, &self.inv_freq, false);
+        let (n, p) = (plan.rows(), plan.picked.len());
+        let (meta, at) = plan.pack();
+        let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let s = self.scratch(&mut guard, n, p, meta.len())?;
+        let g = &*self.gpu;
+        g.bind().map_err(cuda_err)?;
+        g.upload(&mut s.meta, 0, &meta).map_err(cuda_err)?;
+        let m = s.meta.ptr();
+        let (h, ffn, qd, kvd) = (c.hidden_size, c.intermediate_size, c.q_dim(), c.kv_dim());
+        let eps = c.rms_norm_eps as f32;
+        let dims = self.dims();
+        let act = self.act;
+        let e = cuda_err;
+        let gemm = |w: &Mat, x: u64, rows: usize, y: u64, beta: f32| {
+            g.gemm(w.ptr, w.kind, w.rows, w.cols, x, rows, y, beta)
+                .map_err(e)
+        };
+        g.embed(
+            self.embed.ptr,
+            self.embed.kind,
+            m + at.tokens,
+            n,
+            h,
+            s.x.ptr(),
+        )
+        .map_err(e)?;
+        for (li, l) in self.layers.iter().enumerate() {
+            g.rmsnorm(s.x.ptr(), 0, l.attn_norm.ptr(), n, h, eps, s.xn.ptr(), act)
+                .map_err(e)?;
+            gemm(&l.q, s.xn.ptr(), n, s.q.ptr(), 0.0)?;
+            gemm(&l.k, s.xn.ptr(), n, s.k.ptr(), 0.0)?;
+            gemm(&l.v, s.xn.ptr(), n, s.v.ptr(), 0.0)?;
+            for (buf, bias, d) in [
+                (&s.q, &l.q_bias, qd),
+                (&s.k, &l.k_bias, kvd),
+                (&s.v, &l.v_bias, kvd),
+            ] {
+                if let Some(b) = bias {
+                    g.add_bias(buf.ptr(), b.ptr(), d, n * d).map_err(e)?;
+                }
+            }
+            let layer_off = kv.layout.layer_off(li);
+            g.rope_store(
+                s.q.ptr(),
+                s.k.ptr(),
+                s.v.ptr(),
+                m + at.cos,
+                m + at.sin,
+                n,
+                dims,
+                kv.k.ptr(),
+                kv.v.ptr(),
+                kv.kind,
+                m + at.slot,
+                layer_off,
+            )
+            .map_err(e)?;
+            let paging = Paging {
+                pos: m + at.pos,
+                table_off: m + at.table_off,
+                tables: m + at.tables,
+                block_size: kv.layout.block_size,
+                block_stride: kv.layout.block_stride(),
+                layer_off,
+            };
+            g.attention(
+                s.q.ptr(),
+                kv.k.ptr(),
+                kv.v.ptr(),
+                kv.kind,
+                paging,
+                n,
+                dims,
+                s.att.ptr(),
+                act,
+            )
+            .map_err(e)?;
+            gemm(&l.o, s.att.ptr(), n, s.x.ptr(), 1.0)?;
+            g.rmsnorm(s.x.ptr(), 0, l.mlp_norm.ptr(), n, h, eps, s.xn.ptr(), act)
+                .map_err(e)?;
+            gemm(&l.gate, s.xn.ptr(), n, s.g.ptr(), 0.0)?;
+            gemm(&l.up, s.xn.ptr(), n, s.u.ptr(), 0.0)?;
+            g.silu_mul(s.g.ptr(), s.u.ptr(), s.hid.ptr(), act, n * ffn)
+                .map_err(e)?;
+            gemm(&l.down, s.hid.ptr(), n, s.x.ptr(), 1.0)?;
+        }
+        g.rmsnorm(
+            s.x.ptr(),
+            m + at.picked,
+            self.norm.ptr(),
+            p,
+            h,
+            eps,
+            s.xn.ptr(),
+            act,
+        )
+        .map_err(e)?;
+        gemm(&self.lm_head, s.xn.ptr(), p, s.logits.ptr(), 0.0)?;
+        let mut logits = vec![0f32; p * c.vocab_size];
+        g.download_f32(&s.logits, 0, &mut logits).map_err(e)?;
+        Ok(logits)
+    }
+}
+
+impl StepModel for CudaLlama {
+    type Kv = DeviceKv;
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+    fn kv_bytes_per_block(&self, block_size: usize) -> usize {
+        2 * self.cfg.num_hidden_layers * block_size * self.cfg.kv_dim() * self.kv_kind.bytes()
+    }
+    fn new_kv(&self, block_size: usize, blocks: usize) -> Result<DeviceKv, RuntimeError> {
+        let layout = KvLayout {
+            block_size,
+            layers: self.cfg.num_hidden_layers,
+            kv_dim: self.cfg.kv_dim(),
+            blocks,
+        };
+        let bytes = blocks * layout.block_stride() * self.kv_kind.bytes();
+        let alloc = |what: &str| {
+            self.gpu.alloc(bytes).map_err(|e| {
+                RuntimeError::Config(format!(
+                    "CUDA: allocating the KV cache's {what} ({} MB): {e}",
+                    bytes >> 20
+                ))
+            })
+        };
+        Ok(DeviceKv {
+            k: alloc("keys")?,
+            v: alloc("values")?,
+            layout,
+            kind: self.kv_kind,
+        })
+    }
+    fn forward_batch(
+        &self,
+        seqs: &[SeqChunk<'_>],
+        kv: &mut DeviceKv,
+    ) -> Result<Vec<f32>, RuntimeError> {
+        self.run(seqs, kv)
+    }
+}

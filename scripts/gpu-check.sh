@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# The CUDA backend's check on a GPU host, in one run (< 8 minutes on an H200).
+#
+#   scripts/gpu-check.sh --build   # here (Rust toolchain): build the `cuda` release binaries and
+#                                  # GPU test binaries into dist/gpu/ (stripped, < 64 MiB)
+#   scripts/gpu-check.sh           # on the GPU host (NVIDIA driver + CUDA libraries; no Rust,
+#                                  # no network): run from dist/gpu/
+#
+# The run: GPU tests (kernels, loader), then synthetic checkpoints made on the host
+# (`bench-coldstart synth`: SmolLM2-shaped f32 and bf16, Llama-3-8B-shaped bf16), then
+# `bench-coldstart gpu`: CUDA vs CPU logits and greedy ids, pinned H2D floor, 8B load GB/s and
+# cold-start phases, batch-1/batch-32 decode vs the HBM roofline. Results: $OUT/gpu-check.json
+# (OUT defaults to target/gpu-check), log beside it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dist=dist/gpu
+
+if [ "${1:-}" = "--build" ]; then
+    rm -rf "$dist" && mkdir -p "$dist"
+    cargo build --release --features cuda -p thaw-runtime -p bench-coldstart
+    cp target/release/thaw target/release/bench-coldstart "$dist/"
+    # Test binaries: the GPU tests of the kernels (device open, NVRTC compile) and the loader
+    # (pinned staging ring → device round trip).
+    cargo test --release --features cuda -p thaw-kernels -p thaw-loader --no-run \
+        --message-format=json 2>/dev/null |
+        python3 -c '
+import json, sys, shutil
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        name = m["target"]["name"].replace("-", "_")
+        shutil.copy(m["executable"], sys.argv[1] + "/test-" + m["package_id"].split("#")[0].split("/")[-1].split("@")[0] + "-" + name)
+' "$dist"
+    strip "$dist"/thaw "$dist"/bench-coldstart "$dist"/test-*
+    # SmolLM2's tokenizer (2 MB), so a `thaw serve --device cuda` on the SmolLM2-shaped synthetic
+    # checkpoint answers real HTTP requests there (the weights are random: the text is noise).
+    model=$(target/release/thaw model fetch | tail -1)
+    mkdir -p "$dist/tokenizer"
+    cp "$model/tokenizer.json" "$model/tokenizer_config.json" "$dist/tokenizer/"
+    total=$(du -sb "$dist" | cut -f1)
+    echo "dist/gpu: $total bytes"
+    [ "$total" -lt $((64 << 20)) ] || { echo "dist/gpu is $total bytes: over the 64 MiB limit"; exit 1; }
+    ls -la "$dist"
+    exit 0
+fi
+
+out="${OUT:-target/gpu-check}"
+mkdir -p "$out"
+exec > >(tee "$out/gpu-check.log") 2>&1
+t0=$(date +%s)
+[ -x "$dist/bench-coldstart" ] || { echo "no $dist/bench-coldstart: run scripts/gpu-check.sh --build first"; exit 1; }
+nvidia-smi -L || true
+nvidia-smi --query-gpu=driver_version,memory.total --format=csv || true
+
+# cudarc looks for libnvrtc.so / libcublas.so (or .so.12 …). Hosts with other major versions
+# (CUDA 13: .so.13) get unversioned links in a private directory.
+libs="$(mktemp -d)"
+for lib in nvrtc cublas cublasLt; do
+    found=$( (ldconfig -p 2>/dev/null | awk -v l="lib$lib.so" '$1 ~ "^"l {print $NF}';
+              find / -xdev \( -name "lib$lib.so*" -o -name "lib$lib.so" \) 2>/dev/null) |
+             grep -v -e builtins -e '\.alt\.' | sort -V | tail -1 || true)
+    if [ -n "$found" ]; then
+        ln -sf "$found" "$libs/lib$lib.so"
+        echo "lib$lib: $found"
+        # NVRTC loads its builtins from beside itself.
+        dir=$(dirname "$found")
+        for b in "$dir"/lib$lib-builtins.so*; do [ -e "$b" ] && ln -sf "$b" "$libs/"; done
+    else
+        echo "lib$lib: NOT FOUND"
+    fi
+done
+export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export THAW_HOME="$out/home"
+
+status=0
+echo "== GPU tests"
+for t in "$dist"/test-*; do
+    echo "-- $t"
+    "$t" --test-threads=1 --nocapture 2>&1 | grep -E "^test |skipped|result|panicked|error" || status=1
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+done
+
+work="${GPU_CHECK_WORK:-/tmp/thaw-gpu-check}"
+mkdir -p "$work"
+echo "== synthetic checkpoints in $work ($(( $(date +%s) - t0 )) s)"
+[ -f "$work/small-f32/config.json" ] || "$dist/bench-coldstart" synth --shape smollm2-135m --dtype f32 --out "$work/small-f32"
+[ -f "$work/small-bf16/config.json" ] || "$dist/bench-coldstart" synth --shape smollm2-135m --dtype bf16 --out "$work/small-bf16"
+[ -f "$work/llama-3-8b/config.json" ] || "$dist/bench-coldstart" synth --shape llama-3-8b --dtype bf16 --out "$work/llama-3-8b"
+
+echo "== bench-coldstart gpu ($(( $(date +%s) - t0 )) s)"
+"$dist/bench-coldstart" gpu --check "$work/small-f32" --check "$work/small-bf16" \
+    --big "$work/llama-3-8b" --out "$out/gpu-check.json" || status=1
+
+echo "== thaw serve --device cuda, end to end ($(( $(date +%s) - t0 )) s)"
+cp "$dist"/tokenizer/* "$work/small-bf16/"
+port=18431
+"$dist/thaw" serve --device cuda --model "$work/small-bf16" --port $port > "$out/serve.log" 2>&1 &
+spid=$!
+for _ in $(seq 1 300); do
+    curl -sf "http://127.0.0.1:$port/ready" >/dev/null 2>&1 && break
+    kill -0 $spid 2>/dev/null || break
+    sleep 0.2
+done
+if curl -sf "http://127.0.0.1:$port/invoke" -H 'content-type: application/json' \
+        -d '{"prompt": "Hello there", "max_tokens": 16, "ignore_eos": true}' > "$out/invoke.json"; then
+    python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print("invoke:", r.get("usage"), "timings", r.get("timings"))' "$out/invoke.json" || cat "$out/invoke.json"
+    curl -s "http://127.0.0.1:$port/metrics" | grep -E "^thaw_cold_start_phase_seconds" || true
+else
+    echo "serve --device cuda: the request failed"; status=1
+fi
+kill -TERM $spid 2>/dev/null || true
+wait $spid 2>/dev/null || true
+grep -E "cold start|loaded|error" "$out/serve.log" | head -5 || true
+
+echo "== done in $(( $(date +%s) - t0 )) s, status $status; results in $out/gpu-check.json"
+exit $status
