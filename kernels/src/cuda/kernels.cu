@@ -7,6 +7,14 @@
 // backends can be compared on the same weights.
 //
 // Element kinds (`kind` arguments): 0 = f32, 1 = bf16, 2 = f16.
+//
+// The same file is compiled for the CPU by the test-only emulator (kernels/emu: `THAW_CUDA_EMU`,
+// one OS thread per CUDA thread, barriers for __syncthreads and shuffles), so every kernel's
+// logic is tested against the CPU backend's functions on machines without a GPU.
+
+#ifndef KERNEL
+#define KERNEL extern "C" __global__
+#endif
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -23,6 +31,10 @@ __device__ __forceinline__ u16 f32_to_bf16(float f) {
     return (u16)(u >> 16);
 }
 
+#ifdef THAW_CUDA_EMU
+__device__ __forceinline__ float f16_to_f32(u16 x) { return emu_f16_to_f32(x); }
+__device__ __forceinline__ u16 f32_to_f16(float f) { return emu_f32_to_f16(f); }
+#else
 __device__ __forceinline__ float f16_to_f32(u16 x) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
@@ -34,6 +46,7 @@ __device__ __forceinline__ u16 f32_to_f16(float f) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
 }
+#endif
 
 __device__ __forceinline__ float load_elem(const void* p, i64 i, int kind) {
     if (kind == 0) return ((const float*)p)[i];
@@ -65,19 +78,19 @@ __device__ float block_sum(float v) {
 }
 
 // `dst[i] = src[i]` widened to f32 (norm weights and biases, once at load).
-extern "C" __global__ void widen(const void* src, int kind, float* dst, i64 n) {
+KERNEL void widen(const void* src, int kind, float* dst, i64 n) {
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         dst[i] = load_elem(src, i, kind);
 }
 
 // Row r of `out` (f32, [n, d]) = row ids[r] of the embedding table. Grid: n blocks.
-extern "C" __global__ void embed(const void* table, int kind, const u32* ids, int d, float* out) {
+KERNEL void embed(const void* table, int kind, const u32* ids, int d, float* out) {
     i64 src = (i64)ids[blockIdx.x] * d, dst = (i64)blockIdx.x * d;
     for (int i = threadIdx.x; i < d; i += blockDim.x) out[dst + i] = load_elem(table, src + i, kind);
 }
 
 // out[r] = x[rows ? rows[r] : r] / sqrt(mean(x²) + eps) * w, stored as `out_kind`. Grid: n blocks.
-extern "C" __global__ void rmsnorm(const float* x, const u32* rows, const float* w, int d, float eps,
+KERNEL void rmsnorm(const float* x, const u32* rows, const float* w, int d, float eps,
                                    void* out, int out_kind) {
     int r = blockIdx.x;
     const float* xr = x + (i64)(rows ? rows[r] : r) * d;
@@ -90,13 +103,13 @@ extern "C" __global__ void rmsnorm(const float* x, const u32* rows, const float*
 }
 
 // x[i] += b[i % d] over `n` elements (Q/K/V biases).
-extern "C" __global__ void add_bias(float* x, const float* b, int d, i64 n) {
+KERNEL void add_bias(float* x, const float* b, int d, i64 n) {
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         x[i] += b[i % d];
 }
 
 // out = silu(g) · u, stored as `out_kind`.
-extern "C" __global__ void silu_mul(const float* g, const float* u, void* out, int out_kind, i64 n) {
+KERNEL void silu_mul(const float* g, const float* u, void* out, int out_kind, i64 n) {
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         float v = g[i];
         store_elem(out, i, v / (1.0f + expf(-v)) * u[i], out_kind);
@@ -106,7 +119,7 @@ extern "C" __global__ void silu_mul(const float* g, const float* u, void* out, i
 // Per row r (grid: n blocks): "rotate half" RoPE on its query and key heads with the row's angles
 // (cos/sin `[n, hd/2]`, computed on the host in f64 exactly as the CPU does), then the rotated
 // key and the value stored into the paged cache at element `slot[r] + layer_off`.
-extern "C" __global__ void rope_store(float* q, const float* k, const float* v, const float* cos_t,
+KERNEL void rope_store(float* q, const float* k, const float* v, const float* cos_t,
                                       const float* sin_t, int n_heads, int n_kv, int hd,
                                       void* kc, void* vc, int kv_kind, const i64* slot,
                                       i64 layer_off) {
@@ -144,7 +157,7 @@ extern "C" __global__ void rope_store(float* q, const float* k, const float* v, 
 // per head; the warps' partial results are merged at the end.
 // Position p of the row's sequence sits at element
 // table[p / block_size] · block_stride + layer_off + (p % block_size) · kv_dim + kvh · hd.
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
+KERNEL void __launch_bounds__(ATT_WARPS * 32)
 attention(const float* q, const void* kc, const void* vc, int kv_kind, const u32* pos_of_row,
           const u32* table_off, const u32* tables, int block_size, i64 block_stride, i64 layer_off,
           int n_heads, int n_kv, int hd, float scale, void* out, int out_kind) {
@@ -236,7 +249,7 @@ attention(const float* q, const void* kc, const void* vc, int kv_kind, const u32
 
 // Device-memory read bandwidth probe: sums `n` floats (each thread a strided slice), so the
 // roofline is measured on the device in the same run as the decode it bounds.
-extern "C" __global__ void read_probe(const float4* p, i64 n4, float* sink) {
+KERNEL void read_probe(const float4* p, i64 n4, float* sink) {
     float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n4; i += (i64)gridDim.x * blockDim.x) {
         float4 v = p[i];

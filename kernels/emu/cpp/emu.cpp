@@ -1,0 +1,108 @@
+// The CPU emulator's launch machinery and its C entry points (one per kernel).
+#include "shim.h"
+
+#include <barrier>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+thread_local emu_uint3 threadIdx;
+emu_uint3 blockIdx;
+emu_uint3 blockDim;
+emu_uint3 gridDim;
+
+namespace {
+struct Block {
+    std::unique_ptr<std::barrier<>> all;
+    std::vector<std::unique_ptr<std::barrier<>>> warps;
+    std::vector<float> exchange;
+};
+Block* current = nullptr;
+}  // namespace
+
+void emu_syncthreads() { current->all->arrive_and_wait(); }
+
+float emu_shfl_xor(float v, int lane_mask) {
+    unsigned t = threadIdx.x, w = t / 32, lane = t % 32;
+    current->exchange[t] = v;
+    current->warps[w]->arrive_and_wait();
+    float r = current->exchange[w * 32 + (lane ^ (unsigned)lane_mask)];
+    current->warps[w]->arrive_and_wait();
+    return r;
+}
+
+#include "../../src/cuda/kernels.cu"
+
+namespace {
+std::mutex one_launch;  // the grid state above is global: one launch at a time per process
+
+// Runs `f` as a grid of blocks of `threads` threads (a multiple of 32), one block at a time.
+template <class F>
+void launch(unsigned gx, unsigned gy, unsigned threads, F f) {
+    std::lock_guard<std::mutex> guard(one_launch);
+    gridDim = emu_uint3{gx, gy, 1};
+    blockDim = emu_uint3{threads, 1, 1};
+    for (unsigned y = 0; y < gy; y++) {
+        for (unsigned x = 0; x < gx; x++) {
+            blockIdx = emu_uint3{x, y, 0};
+            Block b;
+            b.all = std::make_unique<std::barrier<>>(threads);
+            for (unsigned w = 0; w < threads / 32; w++)
+                b.warps.push_back(std::make_unique<std::barrier<>>(32));
+            b.exchange.assign(threads, 0.0f);
+            current = &b;
+            std::vector<std::thread> ts;
+            ts.reserve(threads);
+            for (unsigned t = 0; t < threads; t++) {
+                ts.emplace_back([&b, &f, t] {
+                    threadIdx = emu_uint3{t, 0, 0};
+                    f();
+                    // An exited thread no longer holds up barriers (as on a GPU).
+                    b.all->arrive_and_drop();
+                    b.warps[t / 32]->arrive_and_drop();
+                });
+            }
+            for (auto& t : ts) t.join();
+            current = nullptr;
+        }
+    }
+}
+}  // namespace
+
+extern "C" {
+void thaw_emu_widen(unsigned grid, unsigned block, const void* src, int kind, float* dst, i64 n) {
+    launch(grid, 1, block, [=] { widen(src, kind, dst, n); });
+}
+void thaw_emu_embed(unsigned rows, unsigned block, const void* table, int kind, const u32* ids,
+                    int d, float* out) {
+    launch(rows, 1, block, [=] { embed(table, kind, ids, d, out); });
+}
+void thaw_emu_rmsnorm(unsigned rows, unsigned block, const float* x, const u32* map,
+                      const float* w, int d, float eps, void* out, int out_kind) {
+    launch(rows, 1, block, [=] { rmsnorm(x, map, w, d, eps, out, out_kind); });
+}
+void thaw_emu_add_bias(unsigned grid, unsigned block, float* x, const float* b, int d, i64 n) {
+    launch(grid, 1, block, [=] { add_bias(x, b, d, n); });
+}
+void thaw_emu_silu_mul(unsigned grid, unsigned block, const float* g, const float* u, void* out,
+                       int out_kind, i64 n) {
+    launch(grid, 1, block, [=] { silu_mul(g, u, out, out_kind, n); });
+}
+void thaw_emu_rope_store(unsigned rows, unsigned block, float* q, const float* k, const float* v,
+                         const float* cos_t, const float* sin_t, int n_heads, int n_kv, int hd,
+                         void* kc, void* vc, int kv_kind, const i64* slot, i64 layer_off) {
+    launch(rows, 1, block, [=] {
+        rope_store(q, k, v, cos_t, sin_t, n_heads, n_kv, hd, kc, vc, kv_kind, slot, layer_off);
+    });
+}
+void thaw_emu_attention(unsigned rows, unsigned kv_heads, const float* q, const void* kc,
+                        const void* vc, int kv_kind, const u32* pos, const u32* table_off,
+                        const u32* tables, int block_size, i64 block_stride, i64 layer_off,
+                        int n_heads, int n_kv, int hd, float scale, void* out, int out_kind) {
+    launch(rows, kv_heads, ATT_WARPS * 32, [=] {
+        attention(q, kc, vc, kv_kind, pos, table_off, tables, block_size, block_stride,
+                  layer_off, n_heads, n_kv, hd, scale, out, out_kind);
+    });
+}
+}

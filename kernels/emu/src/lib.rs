@@ -1,0 +1,315 @@
+//! # thaw-cuda-emu: the CUDA kernels on the CPU, for tests
+//!
+//! `kernels/src/cuda/kernels.cu` compiled as C++ (see `cpp/shim.h`): each CUDA thread is an OS
+//! thread, blocks run one after another, `__syncthreads` and warp shuffles are barriers. Slow,
+//! but the same source the GPU runs — so the kernels' indexing, online softmax, warp merges and
+//! 16-bit conversions are tested against the CPU backend on machines without a GPU
+//! (`thaw-kernels/tests/cuda_emu.rs`). Device addresses are host pointers here.
+//!
+//! Every wrapper checks its slices' lengths against the launch before the call.
+
+/// Element kinds, as the kernels' `kind` arguments.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    F32 = 0,
+    Bf16 = 1,
+    F16 = 2,
+}
+
+impl Kind {
+    pub fn bytes(self) -> usize {
+        if self == Kind::F32 {
+            4
+        } else {
+            2
+        }
+    }
+}
+
+type I64 = i64;
+
+extern "C" {
+    fn thaw_emu_widen(grid: u32, block: u32, src: *const u8, kind: i32, dst: *mut f32, n: I64);
+    fn thaw_emu_embed(
+        rows: u32,
+        block: u32,
+        table: *const u8,
+        kind: i32,
+        ids: *const u32,
+        d: i32,
+        out: *mut f32,
+    );
+    fn thaw_emu_rmsnorm(
+        rows: u32,
+        block: u32,
+        x: *const f32,
+        map: *const u32,
+        w: *const f32,
+        d: i32,
+        eps: f32,
+        out: *mut u8,
+        out_kind: i32,
+    );
+    fn thaw_emu_add_bias(grid: u32, block: u32, x: *mut f32, b: *const f32, d: i32, n: I64);
+    fn thaw_emu_silu_mul(
+        grid: u32,
+        block: u32,
+        g: *const f32,
+        u: *const f32,
+        out: *mut u8,
+        out_kind: i32,
+        n: I64,
+    );
+    fn thaw_emu_rope_store(
+        rows: u32,
+        block: u32,
+        q: *mut f32,
+        k: *const f32,
+        v: *const f32,
+        cos: *const f32,
+        sin: *const f32,
+        n_heads: i32,
+        n_kv: i32,
+        hd: i32,
+        kc: *mut u8,
+        vc: *mut u8,
+        kv_kind: i32,
+        slot: *const I64,
+        layer_off: I64,
+    );
+    fn thaw_emu_attention(
+        rows: u32,
+        kv_heads: u32,
+        q: *const f32,
+        kc: *const u8,
+        vc: *const u8,
+        kv_kind: i32,
+        pos: *const u32,
+        table_off: *const u32,
+        tables: *const u32,
+        block_size: i32,
+        block_stride: I64,
+        layer_off: I64,
+        n_heads: i32,
+        n_kv: i32,
+        hd: i32,
+        scale: f32,
+        out: *mut u8,
+        out_kind: i32,
+    );
+}
+
+/// Attention head layout.
+#[derive(Debug, Clone, Copy)]
+pub struct Heads {
+    pub n_heads: usize,
+    pub n_kv: usize,
+    pub head_dim: usize,
+}
+
+pub fn widen(src: &[u8], kind: Kind, dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len() * kind.bytes());
+    // SAFETY: lengths checked; the kernel touches n elements of each.
+    unsafe {
+        thaw_emu_widen(
+            2,
+            64,
+            src.as_ptr(),
+            kind as i32,
+            dst.as_mut_ptr(),
+            dst.len() as I64,
+        )
+    }
+}
+
+pub fn embed(table: &[u8], kind: Kind, ids: &[u32], d: usize, out: &mut [f32]) {
+    let rows = table.len() / kind.bytes() / d;
+    assert!(ids.iter().all(|&i| (i as usize) < rows));
+    assert_eq!(out.len(), ids.len() * d);
+    // SAFETY: ids index rows of the table (checked); out holds ids.len() rows.
+    unsafe {
+        thaw_emu_embed(
+            ids.len() as u32,
+            64,
+            table.as_ptr(),
+            kind as i32,
+            ids.as_ptr(),
+            d as i32,
+            out.as_mut_ptr(),
+        )
+    }
+}
+
+/// RMSNorm of rows `map` (or all rows) of `x`, stored as `kind` into `out`.
+pub fn rmsnorm(
+    x: &[f32],
+    map: Option<&[u32]>,
+    w: &[f32],
+    eps: f32,
+    out: &mut [u8],
+    kind: Kind,
+    block: u32,
+) {
+    let d = w.len();
+    let rows = map.map_or(x.len() / d, |m| m.len());
+    if let Some(m) = map {
+        assert!(m.iter().all(|&r| (r as usize + 1) * d <= x.len()));
+    }
+    assert_eq!(out.len(), rows * d * kind.bytes());
+    // SAFETY: bounds checked above.
+    unsafe {
+        thaw_emu_rmsnorm(
+            rows as u32,
+            block,
+            x.as_ptr(),
+            map.map_or(std::ptr::null(), |m| m.as_ptr()),
+            w.as_ptr(),
+            d as i32,
+            eps,
+            out.as_mut_ptr(),
+            kind as i32,
+        )
+    }
+}
+
+pub fn add_bias(x: &mut [f32], b: &[f32]) {
+    assert_eq!(x.len() % b.len(), 0);
+    // SAFETY: x holds n elements, b d.
+    unsafe {
+        thaw_emu_add_bias(
+            3,
+            64,
+            x.as_mut_ptr(),
+            b.as_ptr(),
+            b.len() as i32,
+            x.len() as I64,
+        )
+    }
+}
+
+pub fn silu_mul(g: &[f32], u: &[f32], out: &mut [u8], kind: Kind) {
+    assert_eq!(g.len(), u.len());
+    assert_eq!(out.len(), g.len() * kind.bytes());
+    // SAFETY: lengths checked.
+    unsafe {
+        thaw_emu_silu_mul(
+            3,
+            64,
+            g.as_ptr(),
+            u.as_ptr(),
+            out.as_mut_ptr(),
+            kind as i32,
+            g.len() as I64,
+        )
+    }
+}
+
+/// RoPE on `q` (in place) and `k`, then keys and values of row `r` into `kc`/`vc` at
+/// `slot[r] + layer_off`.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_store(
+    q: &mut [f32],
+    k: &[f32],
+    v: &[f32],
+    cos: &[f32],
+    sin: &[f32],
+    h: Heads,
+    kc: &mut [u8],
+    vc: &mut [u8],
+    kind: Kind,
+    slot: &[i64],
+    layer_off: usize,
+) {
+    let rows = slot.len();
+    let kvd = h.n_kv * h.head_dim;
+    assert_eq!(q.len(), rows * h.n_heads * h.head_dim);
+    assert_eq!(k.len(), rows * kvd);
+    assert_eq!(v.len(), rows * kvd);
+    assert_eq!(cos.len(), rows * h.head_dim / 2);
+    assert_eq!(sin.len(), cos.len());
+    assert_eq!(kc.len(), vc.len());
+    assert!(slot
+        .iter()
+        .all(|&s| (s as usize + layer_off + kvd) * kind.bytes() <= kc.len()));
+    // SAFETY: every slot's row lies inside the caches (checked); the rest by the asserts.
+    unsafe {
+        thaw_emu_rope_store(
+            rows as u32,
+            128,
+            q.as_mut_ptr(),
+            k.as_ptr(),
+            v.as_ptr(),
+            cos.as_ptr(),
+            sin.as_ptr(),
+            h.n_heads as i32,
+            h.n_kv as i32,
+            h.head_dim as i32,
+            kc.as_mut_ptr(),
+            vc.as_mut_ptr(),
+            kind as i32,
+            slot.as_ptr(),
+            layer_off as I64,
+        )
+    }
+}
+
+/// The paged layout attention reads: `block_size` positions per block, blocks
+/// `block_stride` elements apart, this layer at `layer_off`.
+#[derive(Debug, Clone, Copy)]
+pub struct Paging {
+    pub block_size: usize,
+    pub block_stride: usize,
+    pub layer_off: usize,
+}
+
+/// Causal paged attention for rows at `pos`, each reading its table at `table_off` in `tables`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    q: &[f32],
+    kc: &[u8],
+    vc: &[u8],
+    kind: Kind,
+    pos: &[u32],
+    table_off: &[u32],
+    tables: &[u32],
+    p: Paging,
+    h: Heads,
+    out: &mut [u8],
+    out_kind: Kind,
+) {
+    let rows = pos.len();
+    let kvd = h.n_kv * h.head_dim;
+    assert_eq!(table_off.len(), rows);
+    assert_eq!(q.len(), rows * h.n_heads * h.head_dim);
+    assert_eq!(out.len(), q.len() * out_kind.bytes());
+    let blocks = kc.len() / kind.bytes() / p.block_stride;
+    for r in 0..rows {
+        let need = pos[r] as usize / p.block_size + 1;
+        let t = &tables[table_off[r] as usize..table_off[r] as usize + need];
+        assert!(t.iter().all(|&b| (b as usize) < blocks));
+        assert!(p.layer_off + (p.block_size - 1) * kvd + kvd <= p.block_stride);
+    }
+    // SAFETY: every position each row reads lies inside the caches (checked above).
+    unsafe {
+        thaw_emu_attention(
+            rows as u32,
+            h.n_kv as u32,
+            q.as_ptr(),
+            kc.as_ptr(),
+            vc.as_ptr(),
+            kind as i32,
+            pos.as_ptr(),
+            table_off.as_ptr(),
+            tables.as_ptr(),
+            p.block_size as i32,
+            p.block_stride as I64,
+            p.layer_off as I64,
+            h.n_heads as i32,
+            h.n_kv as i32,
+            h.head_dim as i32,
+            1.0 / (h.head_dim as f32).sqrt(),
+            out.as_mut_ptr(),
+            out_kind as i32,
+        )
+    }
+}

@@ -1,0 +1,410 @@
+//! The CUDA kernels (`src/cuda/kernels.cu`, run by the CPU emulator in `thaw-cuda-emu`) against
+//! the CPU backend's functions on the same inputs — the GPU code's logic tested on every
+//! machine. Tolerances only cover summation order (and `exp` implementations); conversions and
+//! data movement are compared bit for bit.
+
+use half::{bf16, f16};
+use thaw_cuda_emu as emu;
+use thaw_kernels::ops::{self, AttnShape, KvData, PagedRow, PagedStore};
+use thaw_kernels::ThreadPool;
+
+struct Rng(u64);
+impl Rng {
+    fn f(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.f()).collect()
+    }
+}
+
+fn as_bytes<T: Copy>(v: &[T]) -> &[u8] {
+    // SAFETY: plain numbers viewed as bytes.
+    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+}
+
+fn u16s(b: &[u8]) -> Vec<u16> {
+    b.chunks_exact(2)
+        .map(|c| u16::from_le_bytes([c[0], c[1]]))
+        .collect()
+}
+
+fn f32s(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn assert_close(got: &[f32], want: &[f32], tol: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= tol * scale,
+            "{what}[{i}]: {g} vs {w} (scale {scale})"
+        );
+    }
+}
+
+/// f32 → bf16 and f32 → f16 stores round to nearest even with NaN kept a NaN, exactly as the
+/// `half` crate the CPU uses (the value path through `rope_store`'s V copy is a plain store).
+#[test]
+fn sixteen_bit_stores_match_the_cpu_rounding() {
+    let mut vals = vec![
+        0.0f32,
+        -0.0,
+        1.0,
+        -1.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        f32::MIN_POSITIVE,
+        1e-40,
+        3.0e38,
+        65504.0,
+        70000.0,
+        1.00390625, // a bf16 tie: rounds to even
+        1.01171875, // another tie, rounding up
+    ];
+    let mut r = Rng(7);
+    vals.extend(r.vec(100).iter().map(|x| x * 1000.0));
+    let n = vals.len();
+    let h = emu::Heads {
+        n_heads: 1,
+        n_kv: 1,
+        head_dim: n.next_multiple_of(2),
+    };
+    let hd = h.head_dim;
+    vals.resize(hd, 0.5);
+    for kind in [emu::Kind::Bf16, emu::Kind::F16] {
+        let mut q = vec![0f32; hd];
+        let k = vec![0f32; hd];
+        let (cos, sin) = (vec![1f32; hd / 2], vec![0f32; hd / 2]);
+        let (mut kc, mut vc) = (vec![0u8; hd * 2], vec![0u8; hd * 2]);
+        emu::rope_store(
+            &mut q, &k, &vals, &cos, &sin, h, &mut kc, &mut vc, kind, &[0], 0,
+        );
+        for (i, (&got, &x)) in u16s(&vc).iter().zip(&vals).enumerate() {
+            let want = match kind {
+                emu::Kind::Bf16 => bf16::from_f32(x).to_bits(),
+                _ => f16::from_f32(x).to_bits(),
+            };
+            if x.is_nan() {
+                let back = match kind {
+                    emu::Kind::Bf16 => bf16::from_bits(got).is_nan(),
+                    _ => f16::from_bits(got).is_nan(),
+                };
+                assert!(back, "{kind:?}: NaN stored as {got:#x}");
+            } else {
+                assert_eq!(got, want, "{kind:?} store of {x} (element {i})");
+            }
+        }
+    }
+}
+
+/// Widening and the embedding lookup read every kind exactly.
+#[test]
+fn widen_and_embed_read_every_kind_exactly() {
+    let mut r = Rng(3);
+    let (rows, d) = (11, 70);
+    let vals = r.vec(rows * d);
+    let ids = [3u32, 0, 10, 3, 7];
+    for kind in [emu::Kind::F32, emu::Kind::Bf16, emu::Kind::F16] {
+        let (bytes, exact): (Vec<u8>, Vec<f32>) = match kind {
+            emu::Kind::F32 => (as_bytes(&vals).to_vec(), vals.clone()),
+            emu::Kind::Bf16 => {
+                let b: Vec<u16> = vals.iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
+                let e = b.iter().map(|&x| bf16::from_bits(x).to_f32()).collect();
+                (as_bytes(&b).to_vec(), e)
+            }
+            emu::Kind::F16 => {
+                let b: Vec<u16> = vals.iter().map(|&x| f16::from_f32(x).to_bits()).collect();
+                let e = b.iter().map(|&x| f16::from_bits(x).to_f32()).collect();
+                (as_bytes(&b).to_vec(), e)
+            }
+        };
+        let mut wide = vec![0f32; rows * d];
+        emu::widen(&bytes, kind, &mut wide);
+        assert_eq!(wide, exact, "{kind:?} widen");
+        let mut out = vec![0f32; ids.len() * d];
+        emu::embed(&bytes, kind, &ids, d, &mut out);
+        for (j, &id) in ids.iter().enumerate() {
+            assert_eq!(
+                &out[j * d..(j + 1) * d],
+                &exact[id as usize * d..(id as usize + 1) * d],
+                "{kind:?} embed row {id}"
+            );
+        }
+    }
+}
+
+/// RMSNorm (every row, or picked rows), bias add and SiLU·mul against the CPU's.
+#[test]
+fn elementwise_kernels_match_the_cpu() {
+    let mut r = Rng(11);
+    for (rows, d, block) in [(3usize, 576usize, 256u32), (2, 4096, 1024), (4, 100, 256)] {
+        let x: Vec<f32> = r.vec(rows * d).iter().map(|v| v * 3.0).collect();
+        let w = r.vec(d);
+        let mut want = vec![0f32; rows * d];
+        ops::rmsnorm(&x, &w, 1e-5, &mut want);
+        let mut got = vec![0u8; rows * d * 4];
+        emu::rmsnorm(&x, None, &w, 1e-5, &mut got, emu::Kind::F32, block);
+        assert_close(&f32s(&got), &want, 1e-5, "rmsnorm");
+        // Picked rows, stored as bf16: the CPU value rounded once (or a neighbour, at a tie
+        // the two summation orders straddle).
+        let map = [rows as u32 - 1, 0];
+        let mut got = vec![0u8; 2 * d * 2];
+        emu::rmsnorm(&x, Some(&map), &w, 1e-5, &mut got, emu::Kind::Bf16, block);
+        let got: Vec<f32> = u16s(&got)
+            .iter()
+            .map(|&b| bf16::from_bits(b).to_f32())
+            .collect();
+        let mut picked = want[(rows - 1) * d..].to_vec();
+        picked.extend_from_slice(&want[..d]);
+        assert_close(&got, &picked, 1e-2, "rmsnorm picked rows (bf16)");
+    }
+    let n = 3 * 1536 + 5;
+    let (g, u) = (r.vec(n), r.vec(n));
+    let g: Vec<f32> = g.iter().map(|v| v * 8.0).collect();
+    let mut want = g.clone();
+    ops::silu_mul(&mut want, &u);
+    let mut got = vec![0u8; n * 4];
+    emu::silu_mul(&g, &u, &mut got, emu::Kind::F32);
+    assert_close(&f32s(&got), &want, 1e-5, "silu_mul");
+    let b = r.vec(96);
+    let mut x = r.vec(96 * 5);
+    let mut want = x.clone();
+    want.chunks_exact_mut(96)
+        .for_each(|row| ops::add_inplace(row, &b));
+    emu::add_bias(&mut x, &b);
+    assert_eq!(x, want, "add_bias");
+}
+
+/// A paged store and rows spread over sequences with scattered block tables.
+struct Case {
+    h: emu::Heads,
+    block_size: usize,
+    layers: usize,
+    layer: usize,
+    blocks: usize,
+    /// (block table, positions of this step's rows)
+    seqs: Vec<(Vec<u32>, Vec<usize>)>,
+}
+
+impl Case {
+    fn kvd(&self) -> usize {
+        self.h.n_kv * self.h.head_dim
+    }
+    fn stride(&self) -> usize {
+        self.layers * self.block_size * self.kvd()
+    }
+    fn layer_off(&self) -> usize {
+        self.layer * self.block_size * self.kvd()
+    }
+    fn slot(&self, table: &[u32], pos: usize) -> usize {
+        table[pos / self.block_size] as usize * self.stride()
+            + self.layer_off()
+            + (pos % self.block_size) * self.kvd()
+    }
+}
+
+fn cases() -> Vec<Case> {
+    let smol = emu::Heads {
+        n_heads: 9,
+        n_kv: 3,
+        head_dim: 64,
+    };
+    let llama = emu::Heads {
+        n_heads: 32,
+        n_kv: 8,
+        head_dim: 128,
+    };
+    let odd = emu::Heads {
+        n_heads: 16,
+        n_kv: 2,
+        head_dim: 80,
+    };
+    vec![
+        Case {
+            h: smol,
+            block_size: 16,
+            layers: 3,
+            layer: 1,
+            blocks: 24,
+            seqs: vec![
+                (vec![5, 17, 2, 9, 11, 0, 23, 4, 8, 1], (0..3).chain([150]).collect()),
+                (vec![22, 3], vec![0]),
+                (vec![7, 13, 19, 6], vec![40, 41, 63]),
+            ],
+        },
+        Case {
+            h: llama,
+            block_size: 16,
+            layers: 2,
+            layer: 0,
+            blocks: 12,
+            seqs: vec![(vec![11, 0, 6, 3, 9], vec![70]), (vec![1, 2], vec![5, 17])],
+        },
+        Case {
+            h: odd,
+            block_size: 8,
+            layers: 1,
+            layer: 0,
+            blocks: 10,
+            seqs: vec![(vec![9, 8, 7, 6, 5], vec![33]), (vec![0], vec![0, 3])],
+        },
+    ]
+}
+
+/// RoPE + cache store, then paged GQA attention, against the CPU's rope and paged attention
+/// over the same store layout — f32 and bf16 caches, Llama/SmolLM2/odd head shapes, rows at
+/// position 0, inside one block, across many blocks and CPU attention tiles.
+#[test]
+fn rope_store_and_paged_attention_match_the_cpu() {
+    let mut r = Rng(29);
+    let pool = ThreadPool::global();
+    for c in cases() {
+        let (nh, hd, kvd) = (c.h.n_heads, c.h.head_dim, c.kvd());
+        for kind in [emu::Kind::F32, emu::Kind::Bf16] {
+            let total = c.blocks * c.stride();
+            // Fill every position each sequence may read with random keys/values, stored by the
+            // emulated rope_store (angles of each position), rows in sequence order.
+            let (mut kc, mut vc) = (vec![0u8; total * kind.bytes()], vec![0u8; total * kind.bytes()]);
+            let inv: Vec<f64> = (0..hd / 2)
+                .map(|i| 1.0 / 10000f64.powf(2.0 * i as f64 / hd as f64))
+                .collect();
+            let mut cpu_k = vec![0f32; total];
+            let mut cpu_v = vec![0f32; total];
+            for (table, rows) in &c.seqs {
+                let last = *rows.iter().max().unwrap();
+                let positions: Vec<usize> = (0..=last).collect();
+                let n = positions.len();
+                let mut q = r.vec(n * nh * hd);
+                let k = r.vec(n * kvd);
+                let v = r.vec(n * kvd);
+                let (mut cos, mut sin) = (vec![0f32; n * hd / 2], vec![0f32; n * hd / 2]);
+                for (i, &p) in positions.iter().enumerate() {
+                    ops::rope_angles(
+                        p,
+                        &inv,
+                        &mut cos[i * hd / 2..(i + 1) * hd / 2],
+                        &mut sin[i * hd / 2..(i + 1) * hd / 2],
+                    );
+                }
+                let slots: Vec<i64> = positions
+                    .iter()
+                    .map(|&p| (c.slot(table, p) - c.layer_off()) as i64)
+                    .collect();
+                let q0 = q.clone();
+                emu::rope_store(
+                    &mut q,
+                    &k,
+                    &v,
+                    &cos,
+                    &sin,
+                    c.h,
+                    &mut kc,
+                    &mut vc,
+                    kind,
+                    &slots,
+                    c.layer_off(),
+                );
+                // The CPU's rope on the same rows gives the same queries and keys.
+                for (i, &p) in positions.iter().enumerate() {
+                    let (cs, sn) = (
+                        &cos[i * hd / 2..(i + 1) * hd / 2],
+                        &sin[i * hd / 2..(i + 1) * hd / 2],
+                    );
+                    let mut qr = q0[i * nh * hd..(i + 1) * nh * hd].to_vec();
+                    ops::rope(&mut qr, hd, cs, sn);
+                    assert_close(&q[i * nh * hd..(i + 1) * nh * hd], &qr, 1e-6, "rope q");
+                    let mut kr = k[i * kvd..(i + 1) * kvd].to_vec();
+                    ops::rope(&mut kr, hd, cs, sn);
+                    let at = c.slot(table, p);
+                    cpu_k[at..at + kvd].copy_from_slice(&kr);
+                    cpu_v[at..at + kvd].copy_from_slice(&v[i * kvd..(i + 1) * kvd]);
+                }
+            }
+            // What the emulated store holds, widened: equal to the CPU's rows (rounded to the
+            // cache's kind) wherever a row was written.
+            let (gk, gv): (Vec<f32>, Vec<f32>) = match kind {
+                emu::Kind::F32 => (f32s(&kc), f32s(&vc)),
+                _ => (
+                    u16s(&kc).iter().map(|&b| bf16::from_bits(b).to_f32()).collect(),
+                    u16s(&vc).iter().map(|&b| bf16::from_bits(b).to_f32()).collect(),
+                ),
+            };
+            for (table, rows) in &c.seqs {
+                for p in 0..=*rows.iter().max().unwrap() {
+                    let at = c.slot(table, p);
+                    let round = |x: &[f32]| -> Vec<f32> {
+                        match kind {
+                            emu::Kind::F32 => x.to_vec(),
+                            _ => x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect(),
+                        }
+                    };
+                    assert_close(&gk[at..at + kvd], &round(&cpu_k[at..at + kvd]), 2e-6, "k cache");
+                    assert_eq!(&gv[at..at + kvd], &round(&cpu_v[at..at + kvd])[..], "v cache");
+                }
+            }
+            // This step's query rows.
+            let mut tables = vec![];
+            let (mut pos, mut toff, mut prows) = (vec![], vec![], vec![]);
+            for (table, rows) in &c.seqs {
+                let off = tables.len() as u32;
+                tables.extend_from_slice(table);
+                for &p in rows {
+                    pos.push(p as u32);
+                    toff.push(off);
+                    prows.push(PagedRow { pos: p, table });
+                }
+            }
+            let n = pos.len();
+            let q = r.vec(n * nh * hd);
+            let mut want = vec![0f32; n * nh * hd];
+            let store = PagedStore {
+                block_size: c.block_size,
+                block_stride: c.stride(),
+                layer_off: c.layer_off(),
+            };
+            let shape = AttnShape {
+                n_heads: nh,
+                n_kv_heads: c.h.n_kv,
+                head_dim: hd,
+            };
+            let (k16, v16) = (u16s(&kc), u16s(&vc));
+            let (kd, vd) = match kind {
+                emu::Kind::F32 => (KvData::F32(&gk), KvData::F32(&gv)),
+                _ => (KvData::Bf16(&k16), KvData::Bf16(&v16)),
+            };
+            ops::paged_attention(pool, &q, kd, vd, &prows, store, shape, &mut want);
+            let mut got = vec![0u8; n * nh * hd * 4];
+            emu::attention(
+                &q,
+                &kc,
+                &vc,
+                kind,
+                &pos,
+                &toff,
+                &tables,
+                emu::Paging {
+                    block_size: c.block_size,
+                    block_stride: c.stride(),
+                    layer_off: c.layer_off(),
+                },
+                c.h,
+                &mut got,
+                emu::Kind::F32,
+            );
+            assert_close(
+                &f32s(&got),
+                &want,
+                2e-5,
+                &format!("attention {:?} {kind:?}", c.h),
+            );
+        }
+    }
+}
