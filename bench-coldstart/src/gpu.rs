@@ -23,8 +23,9 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 use thaw_kernels::cuda::{DevBuf, Gpu};
+use thaw_kernels::device::DeviceOps;
 use thaw_loader::LoadOptions;
-use thaw_runtime::cuda::CudaLlama;
+use thaw_runtime::device_model::CudaLlama;
 use thaw_runtime::engine::{Engine, EngineConfig, Request};
 use thaw_runtime::{Llama, SamplingParams, SeqChunk, StepModel};
 

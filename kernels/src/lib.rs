@@ -23,6 +23,7 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod device;
 pub mod isa;
 pub mod matmul;
 pub mod ops;

@@ -66,8 +66,8 @@ fn sixteen_bit_stores_match_the_cpu_rounding() {
         3.0e38,
         65504.0,
         70000.0,
-        1.00390625, // a bf16 tie: rounds to even
-        1.01171875, // another tie, rounding up
+        f32::from_bits(0x3f80_8000), // 1 + 2^-8: a bf16 tie, rounds to even (down)
+        f32::from_bits(0x3f81_8000), // 1 + 3·2^-8: a tie rounding up to even
     ];
     let mut r = Rng(7);
     vals.extend(r.vec(100).iter().map(|x| x * 1000.0));
@@ -85,7 +85,17 @@ fn sixteen_bit_stores_match_the_cpu_rounding() {
         let (cos, sin) = (vec![1f32; hd / 2], vec![0f32; hd / 2]);
         let (mut kc, mut vc) = (vec![0u8; hd * 2], vec![0u8; hd * 2]);
         emu::rope_store(
-            &mut q, &k, &vals, &cos, &sin, h, &mut kc, &mut vc, kind, &[0], 0,
+            &mut q,
+            &k,
+            &vals,
+            &cos,
+            &sin,
+            h,
+            &mut kc,
+            &mut vc,
+            kind,
+            &[0],
+            0,
         );
         for (i, (&got, &x)) in u16s(&vc).iter().zip(&vals).enumerate() {
             let want = match kind {
@@ -235,7 +245,10 @@ fn cases() -> Vec<Case> {
             layer: 1,
             blocks: 24,
             seqs: vec![
-                (vec![5, 17, 2, 9, 11, 0, 23, 4, 8, 1], (0..3).chain([150]).collect()),
+                (
+                    vec![5, 17, 2, 9, 11, 0, 23, 4, 8, 1],
+                    (0..3).chain([150]).collect(),
+                ),
                 (vec![22, 3], vec![0]),
                 (vec![7, 13, 19, 6], vec![40, 41, 63]),
             ],
@@ -272,7 +285,10 @@ fn rope_store_and_paged_attention_match_the_cpu() {
             let total = c.blocks * c.stride();
             // Fill every position each sequence may read with random keys/values, stored by the
             // emulated rope_store (angles of each position), rows in sequence order.
-            let (mut kc, mut vc) = (vec![0u8; total * kind.bytes()], vec![0u8; total * kind.bytes()]);
+            let (mut kc, mut vc) = (
+                vec![0u8; total * kind.bytes()],
+                vec![0u8; total * kind.bytes()],
+            );
             let inv: Vec<f64> = (0..hd / 2)
                 .map(|i| 1.0 / 10000f64.powf(2.0 * i as f64 / hd as f64))
                 .collect();
@@ -333,8 +349,14 @@ fn rope_store_and_paged_attention_match_the_cpu() {
             let (gk, gv): (Vec<f32>, Vec<f32>) = match kind {
                 emu::Kind::F32 => (f32s(&kc), f32s(&vc)),
                 _ => (
-                    u16s(&kc).iter().map(|&b| bf16::from_bits(b).to_f32()).collect(),
-                    u16s(&vc).iter().map(|&b| bf16::from_bits(b).to_f32()).collect(),
+                    u16s(&kc)
+                        .iter()
+                        .map(|&b| bf16::from_bits(b).to_f32())
+                        .collect(),
+                    u16s(&vc)
+                        .iter()
+                        .map(|&b| bf16::from_bits(b).to_f32())
+                        .collect(),
                 ),
             };
             for (table, rows) in &c.seqs {
@@ -346,8 +368,17 @@ fn rope_store_and_paged_attention_match_the_cpu() {
                             _ => x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect(),
                         }
                     };
-                    assert_close(&gk[at..at + kvd], &round(&cpu_k[at..at + kvd]), 2e-6, "k cache");
-                    assert_eq!(&gv[at..at + kvd], &round(&cpu_v[at..at + kvd])[..], "v cache");
+                    assert_close(
+                        &gk[at..at + kvd],
+                        &round(&cpu_k[at..at + kvd]),
+                        2e-6,
+                        "k cache",
+                    );
+                    assert_eq!(
+                        &gv[at..at + kvd],
+                        &round(&cpu_v[at..at + kvd])[..],
+                        "v cache"
+                    );
                 }
             }
             // This step's query rows.

@@ -16,9 +16,8 @@
 pub mod chat;
 pub mod config;
 pub mod convert;
-#[cfg(feature = "cuda")]
-pub mod cuda;
 pub mod device;
+pub mod device_model;
 pub mod engine;
 pub mod error;
 pub mod fetch;

@@ -357,7 +357,8 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
         Device::Cpu => {}
         #[cfg(feature = "cuda")]
         Device::Cuda(ordinal) => {
-            let model = thaw_runtime::cuda::CudaLlama::load(&dir, &a.load.options(), ordinal)?;
+            let model =
+                thaw_runtime::device_model::CudaLlama::load(&dir, &a.load.options(), ordinal)?;
             let p = &model.phases;
             eprintln!(
                 "note: on {} — context {:.0} ms, kernels {:.0} ms ({}), module {:.0} ms, copy wait {:.0} ms",

@@ -18,35 +18,17 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 
 use super::{compile, CudaError, DeviceInfo};
+use crate::device::{AttnDims, DeviceBuf, DeviceOps, Elem, GemmCall, Paging};
 
 fn drv(e: impl std::fmt::Display) -> CudaError {
     CudaError::Driver(e.to_string())
 }
 
-/// How elements are stored in a device buffer (the kernels' `kind` codes).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Elem {
-    F32 = 0,
-    Bf16 = 1,
-    F16 = 2,
-}
-
-impl Elem {
-    pub fn bytes(self) -> usize {
-        match self {
-            Elem::F32 => 4,
-            _ => 2,
-        }
-    }
-    fn code(self) -> i32 {
-        self as i32
-    }
-    fn blas(self) -> blas_sys::cudaDataType {
-        match self {
-            Elem::F32 => blas_sys::cudaDataType::CUDA_R_32F,
-            Elem::Bf16 => blas_sys::cudaDataType::CUDA_R_16BF,
-            Elem::F16 => blas_sys::cudaDataType::CUDA_R_16F,
-        }
+fn blas_type(e: Elem) -> blas_sys::cudaDataType {
+    match e {
+        Elem::F32 => blas_sys::cudaDataType::CUDA_R_32F,
+        Elem::Bf16 => blas_sys::cudaDataType::CUDA_R_16BF,
+        Elem::F16 => blas_sys::cudaDataType::CUDA_R_16F,
     }
 }
 
@@ -65,14 +47,14 @@ impl DevBuf {
         };
         DevBuf { mem, ptr }
     }
-    pub fn ptr(&self) -> u64 {
+}
+
+impl DeviceBuf for DevBuf {
+    fn ptr(&self) -> u64 {
         self.ptr
     }
-    pub fn len(&self) -> usize {
+    fn len(&self) -> usize {
         self.mem.len()
-    }
-    pub fn is_empty(&self) -> bool {
-        self.mem.len() == 0
     }
 }
 
@@ -108,10 +90,6 @@ pub struct Gpu {
     pub init: GpuInit,
 }
 
-/// Query heads per KV head and head dimension the attention kernel holds in registers.
-pub const MAX_GROUP: usize = 8;
-pub const MAX_HEAD_DIM: usize = 128;
-
 fn grid_1d(n: usize, block: u32) -> LaunchConfig {
     let blocks = n.div_ceil(block as usize).clamp(1, 65_535 * 4) as u32;
     LaunchConfig {
@@ -137,7 +115,9 @@ impl Gpu {
         // SAFETY: thaw uses one stream per context for compute, so cross-stream tracking events
         // are never needed; the loader's copy stream is synchronized before its data is used.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        // Its own stream (not the legacy default one, which serializes with every other
+        // blocking stream and cannot be captured into a CUDA graph).
+        let stream = ctx.new_stream().map_err(drv)?;
         let context_s = t.elapsed().as_secs_f64();
         let arch = info.compute_capability;
         let mut ptx = compile::compile_cached(arch, ptx_cache)?;
@@ -184,18 +164,50 @@ impl Gpu {
         })
     }
 
+    /// Measures device-memory read bandwidth over `buf` (bytes/s, best of `reps`): the HBM
+    /// roofline decode is held against.
+    pub fn read_bandwidth(&self, buf: &DevBuf, reps: usize) -> Result<f64, CudaError> {
+        let n4 = (buf.len() / 16) as i64;
+        let sink = self.alloc(16)?;
+        let (p, s) = (buf.ptr(), sink.ptr());
+        let sms = self
+            .ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(drv)? as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (sms * 8, 1, 1),
+            block_dim: (512, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut best = 0f64;
+        for _ in 0..reps.max(1) + 1 {
+            self.sync()?;
+            let t = Instant::now();
+            let mut b = self.stream.launch_builder(&self.k.read_probe);
+            b.arg(&p).arg(&n4).arg(&s);
+            // SAFETY: reads n4 float4 inside buf; writes at most one float into sink.
+            unsafe { b.launch(cfg) }.map_err(drv)?;
+            self.sync()?;
+            best = best.max((n4 * 16) as f64 / t.elapsed().as_secs_f64());
+        }
+        Ok(best)
+    }
+}
+
+impl DeviceOps for Gpu {
+    type Buf = DevBuf;
+    type Error = CudaError;
+
     /// `len` bytes of device memory, zeroed.
-    pub fn alloc(&self, len: usize) -> Result<DevBuf, CudaError> {
+    fn alloc(&self, len: usize) -> Result<DevBuf, CudaError> {
         let mem = self.stream.alloc_zeros::<u8>(len.max(1)).map_err(drv)?;
         Ok(DevBuf::new(mem, &self.stream))
     }
 
     /// Copies `src` into `dst` at byte offset `at`.
-    pub fn upload<T: Copy>(&self, dst: &mut DevBuf, at: usize, src: &[T]) -> Result<(), CudaError> {
-        // SAFETY: plain-old-data viewed as bytes; the length is the slice's own.
-        let bytes = unsafe {
-            std::slice::from_raw_parts(src.as_ptr() as *const u8, std::mem::size_of_val(src))
-        };
+    fn upload(&self, dst: &mut DevBuf, at: usize, bytes: &[u8]) -> Result<(), CudaError> {
         if at + bytes.len() > dst.len() {
             return Err(CudaError::Driver(format!(
                 "upload of {} bytes at {at} overruns a {}-byte buffer",
@@ -208,7 +220,7 @@ impl Gpu {
     }
 
     /// Copies `dst.len()` f32s from device address `src` (after everything queued before it).
-    pub fn download_f32(&self, src: &DevBuf, at: usize, dst: &mut [f32]) -> Result<(), CudaError> {
+    fn download_f32(&self, src: &DevBuf, at: usize, dst: &mut [f32]) -> Result<(), CudaError> {
         let n = std::mem::size_of_val(dst);
         if at + n > src.len() {
             return Err(CudaError::Driver("download overruns its buffer".into()));
@@ -222,16 +234,16 @@ impl Gpu {
 
     /// Makes this GPU's context current on the calling thread (cuBLAS calls need it; the
     /// engine steps on its own thread).
-    pub fn bind(&self) -> Result<(), CudaError> {
+    fn bind(&self) -> Result<(), CudaError> {
         self.ctx.bind_to_thread().map_err(drv)
     }
 
-    pub fn sync(&self) -> Result<(), CudaError> {
+    fn sync(&self) -> Result<(), CudaError> {
         self.stream.synchronize().map_err(drv)
     }
 
     /// `dst[i] = src[i]` as f32 (`n` elements of kind `kind`).
-    pub fn widen(&self, src: u64, kind: Elem, dst: u64, n: usize) -> Result<(), CudaError> {
+    fn widen(&self, src: u64, kind: Elem, dst: u64, n: usize) -> Result<(), CudaError> {
         let (code, n64) = (kind.code(), n as i64);
         let mut b = self.stream.launch_builder(&self.k.widen);
         b.arg(&src).arg(&code).arg(&dst).arg(&n64);
@@ -241,7 +253,7 @@ impl Gpu {
     }
 
     /// `out[r] = table[ids[r]]` widened to f32, rows of `d`.
-    pub fn embed(
+    fn embed(
         &self,
         table: u64,
         kind: Elem,
@@ -260,7 +272,7 @@ impl Gpu {
 
     /// RMSNorm of `n` rows of `d` (row `rows[r]` of `x` when `rows` is nonzero), stored as `out_kind`.
     #[allow(clippy::too_many_arguments)]
-    pub fn rmsnorm(
+    fn rmsnorm(
         &self,
         x: u64,
         rows_map: u64,
@@ -287,7 +299,7 @@ impl Gpu {
     }
 
     /// `x[i] += bias[i % d]` for `n` elements.
-    pub fn add_bias(&self, x: u64, bias: u64, d: usize, n: usize) -> Result<(), CudaError> {
+    fn add_bias(&self, x: u64, bias: u64, d: usize, n: usize) -> Result<(), CudaError> {
         let (d32, n64) = (d as i32, n as i64);
         let mut b = self.stream.launch_builder(&self.k.add_bias);
         b.arg(&x).arg(&bias).arg(&d32).arg(&n64);
@@ -297,7 +309,7 @@ impl Gpu {
     }
 
     /// `out = silu(g) · u` (`n` elements), stored as `out_kind`.
-    pub fn silu_mul(
+    fn silu_mul(
         &self,
         g: u64,
         u: u64,
@@ -315,7 +327,7 @@ impl Gpu {
 
     /// RoPE on `n` rows of queries (in place) and keys, then keys and values into the cache.
     #[allow(clippy::too_many_arguments)]
-    pub fn rope_store(
+    fn rope_store(
         &self,
         q: u64,
         k: u64,
@@ -357,7 +369,7 @@ impl Gpu {
 
     /// Causal paged GQA attention for `n` query rows (see `kernels.cu`).
     #[allow(clippy::too_many_arguments)]
-    pub fn attention(
+    fn attention(
         &self,
         q: u64,
         kc: u64,
@@ -369,7 +381,7 @@ impl Gpu {
         out: u64,
         out_kind: Elem,
     ) -> Result<(), CudaError> {
-        shape.check()?;
+        shape.check().map_err(CudaError::Unsupported)?;
         let (nh, nkv, hd) = (
             shape.n_heads as i32,
             shape.n_kv_heads as i32,
@@ -413,7 +425,7 @@ impl Gpu {
     /// `y[n, out] = x[n, in] · Wᵀ + beta · y` with W `[out, in]` row-major in `w_kind`, x in the
     /// same kind, y f32, f32 accumulation (cuBLAS GemmEx; tensor cores for 16-bit kinds).
     #[allow(clippy::too_many_arguments)]
-    pub fn gemm(
+    fn gemm(
         &self,
         w: u64,
         w_kind: Elem,
@@ -425,103 +437,39 @@ impl Gpu {
         beta: f32,
     ) -> Result<(), CudaError> {
         let alpha = 1.0f32;
-        // Column-major view: Yᵀ[out, n] = (W as col-major [in, out])ᵀ · (X as col-major [in, n]).
+        let c = GemmCall::linear(out_dim, in_dim, n);
+        let op = |t: bool| {
+            if t {
+                blas_sys::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                blas_sys::cublasOperation_t::CUBLAS_OP_N
+            }
+        };
         // SAFETY: the pointers address buffers of the stated shapes; alpha/beta are host f32
         // (the handle's default pointer mode).
         unsafe {
             cudarc::cublas::result::gemm_ex(
                 *self.blas.handle(),
-                blas_sys::cublasOperation_t::CUBLAS_OP_T,
-                blas_sys::cublasOperation_t::CUBLAS_OP_N,
-                out_dim as i32,
-                n as i32,
-                in_dim as i32,
+                op(c.transa),
+                op(c.transb),
+                c.m as i32,
+                c.n as i32,
+                c.k as i32,
                 &alpha as *const f32 as *const _,
                 w as *const _,
-                w_kind.blas(),
-                in_dim as i32,
+                blas_type(w_kind),
+                c.lda as i32,
                 x as *const _,
-                w_kind.blas(),
-                in_dim as i32,
+                blas_type(w_kind),
+                c.ldb as i32,
                 &beta as *const f32 as *const _,
                 y as *mut _,
-                Elem::F32.blas(),
-                out_dim as i32,
+                blas_type(Elem::F32),
+                c.ldc as i32,
                 blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         }
         .map_err(drv)
     }
-
-    /// Measures device-memory read bandwidth over `buf` (bytes/s, best of `reps`): the HBM
-    /// roofline decode is held against.
-    pub fn read_bandwidth(&self, buf: &DevBuf, reps: usize) -> Result<f64, CudaError> {
-        let n4 = (buf.len() / 16) as i64;
-        let sink = self.alloc(16)?;
-        let (p, s) = (buf.ptr(), sink.ptr());
-        let sms = self
-            .ctx
-            .attribute(
-                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-            )
-            .map_err(drv)? as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (sms * 8, 1, 1),
-            block_dim: (512, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut best = 0f64;
-        for _ in 0..reps.max(1) + 1 {
-            self.sync()?;
-            let t = Instant::now();
-            let mut b = self.stream.launch_builder(&self.k.read_probe);
-            b.arg(&p).arg(&n4).arg(&s);
-            // SAFETY: reads n4 float4 inside buf; writes at most one float into sink.
-            unsafe { b.launch(cfg) }.map_err(drv)?;
-            self.sync()?;
-            best = best.max((n4 * 16) as f64 / t.elapsed().as_secs_f64());
-        }
-        Ok(best)
-    }
-}
-
-/// Attention shape (mirrors `ops::AttnShape`).
-#[derive(Debug, Clone, Copy)]
-pub struct AttnDims {
-    pub n_heads: usize,
-    pub n_kv_heads: usize,
-    pub head_dim: usize,
-}
-
-impl AttnDims {
-    /// Whether the attention kernel takes this shape (it keeps a query group in registers).
-    pub fn check(&self) -> Result<(), CudaError> {
-        let ok = self.n_kv_heads > 0
-            && self.n_heads.is_multiple_of(self.n_kv_heads)
-            && self.n_heads / self.n_kv_heads <= MAX_GROUP
-            && self.head_dim <= MAX_HEAD_DIM
-            && self.head_dim.is_multiple_of(2);
-        if ok {
-            Ok(())
-        } else {
-            Err(CudaError::Unsupported(format!(
-                "{} query heads over {} KV heads of dimension {}: the CUDA attention kernel takes \
-                 up to {MAX_GROUP} query heads per KV head and head_dim up to {MAX_HEAD_DIM}",
-                self.n_heads, self.n_kv_heads, self.head_dim
-            )))
-        }
-    }
-}
-
-/// Where attention finds each row's keys and values: device addresses of the per-row position,
-/// per-row offset into the flattened block tables, the tables; and the store's layout.
-#[derive(Debug, Clone, Copy)]
-pub struct Paging {
-    pub pos: u64,
-    pub table_off: u64,
-    pub tables: u64,
-    pub block_size: usize,
-    pub block_stride: usize,
-    pub layer_off: usize,
 }

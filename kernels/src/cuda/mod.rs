@@ -14,7 +14,7 @@
 pub mod compile;
 mod gpu;
 
-pub use gpu::{AttnDims, DevBuf, Elem, Gpu, GpuInit, Paging, MAX_GROUP, MAX_HEAD_DIM};
+pub use gpu::{DevBuf, Gpu, GpuInit};
 
 use std::sync::Arc;
 

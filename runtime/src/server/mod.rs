@@ -96,7 +96,7 @@ pub(crate) type LoadDone = std::thread::JoinHandle<Result<LoadStats, thaw_loader
 enum Loaded {
     Cpu(Arc<Llama>),
     #[cfg(feature = "cuda")]
-    Cuda(Arc<crate::cuda::CudaLlama>),
+    Cuda(Arc<crate::device_model::CudaLlama>),
 }
 
 impl Loaded {
@@ -108,8 +108,10 @@ impl Loaded {
                 Llama::load_with(&o.model_dir, &o.load).map(|m| (Loaded::Cpu(Arc::new(m)), None))
             }
             #[cfg(feature = "cuda")]
-            Device::Cuda(ordinal) => crate::cuda::CudaLlama::load(&o.model_dir, &o.load, ordinal)
-                .map(|m| (Loaded::Cuda(Arc::new(m)), None)),
+            Device::Cuda(ordinal) => {
+                crate::device_model::CudaLlama::load(&o.model_dir, &o.load, ordinal)
+                    .map(|m| (Loaded::Cuda(Arc::new(m)), None))
+            }
             #[cfg(not(feature = "cuda"))]
             Device::Cuda(_) => Err(RuntimeError::Config(
                 "this thaw was built without the `cuda` feature".into(),

@@ -1,6 +1,8 @@
-//! The Llama-family model on a CUDA GPU (feature `cuda`), behind the same [`StepModel`]
-//! interface as the CPU model — the engine, scheduler, block manager and prefix cache are the
-//! same code whichever backend computes.
+//! The Llama-family model on a device ([`DeviceOps`]: the CUDA GPU with feature `cuda`, or the
+//! CPU emulator of the same kernels in tests), behind the same [`StepModel`] interface as the
+//! CPU model — the engine, scheduler, block manager and prefix cache are the same code whichever
+//! backend computes. Because the device is a trait, this file's step (launch order, buffer
+//! sizes, GEMM shapes) runs in CI against the emulator and is compared with the CPU model.
 //!
 //! * **Weights** go from disk straight to device memory through the loader's pinned staging ring
 //!   (`thaw_loader::cuda::load_to_device`: reads overlap host → device copies, same plan and
@@ -20,15 +22,15 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use thaw_kernels::cuda::{AttnDims, DevBuf, Elem, Gpu, Paging};
-use thaw_loader::{Checkpoint, Dtype, LoadOptions, LoadStats, TensorEntry};
+use thaw_kernels::device::{AttnDims, DeviceBuf, DeviceOps, Elem, Paging};
+use thaw_loader::{Checkpoint, Dtype, LoadStats, TensorEntry};
 
 use crate::model::{inv_freq, SeqChunk, Tensors};
 use crate::step::{validate, KvLayout, StepModel, StepPlan};
 use crate::{KvDtype, ModelConfig, RuntimeError};
 
-fn cuda_err(e: impl std::fmt::Display) -> RuntimeError {
-    RuntimeError::Config(format!("CUDA: {e}"))
+fn dev_err(e: impl std::fmt::Display) -> RuntimeError {
+    RuntimeError::Config(format!("device: {e}"))
 }
 
 fn elem(d: Dtype) -> Elem {
@@ -48,9 +50,9 @@ struct Mat {
     kind: Elem,
 }
 
-struct DevLayer {
-    attn_norm: DevBuf,
-    mlp_norm: DevBuf,
+struct DevLayer<B> {
+    attn_norm: B,
+    mlp_norm: B,
     q: Mat,
     k: Mat,
     v: Mat,
@@ -58,45 +60,45 @@ struct DevLayer {
     gate: Mat,
     up: Mat,
     down: Mat,
-    q_bias: Option<DevBuf>,
-    k_bias: Option<DevBuf>,
-    v_bias: Option<DevBuf>,
+    q_bias: Option<B>,
+    k_bias: Option<B>,
+    v_bias: Option<B>,
 }
 
 /// Keys and values in device memory, in the CPU store's layout (`[block][layer][slot][kv_dim]`).
-pub struct DeviceKv {
-    k: DevBuf,
-    v: DevBuf,
+pub struct DeviceKv<B> {
+    k: B,
+    v: B,
     layout: KvLayout,
     kind: Elem,
 }
 
-impl DeviceKv {
+impl<B> DeviceKv<B> {
     pub fn layout(&self) -> KvLayout {
         self.layout
     }
 }
 
 /// Activation buffers for up to `rows` rows and `picked` logit rows, grown on demand.
-struct Scratch {
+struct Scratch<B> {
     rows: usize,
     picked: usize,
-    meta: DevBuf,
-    x: DevBuf,
-    xn: DevBuf,
-    q: DevBuf,
-    k: DevBuf,
-    v: DevBuf,
-    att: DevBuf,
-    g: DevBuf,
-    u: DevBuf,
-    hid: DevBuf,
-    logits: DevBuf,
+    meta: B,
+    x: B,
+    xn: B,
+    q: B,
+    k: B,
+    v: B,
+    att: B,
+    g: B,
+    u: B,
+    hid: B,
+    logits: B,
 }
 
-/// How a CUDA model came up: the CUDA-specific cold-start phases, in seconds.
+/// How a device model came up: the device-specific cold-start phases, in seconds.
 #[derive(Debug, Clone, Default)]
-pub struct CudaLoadPhases {
+pub struct DeviceLoadPhases {
     pub context_s: f64,
     pub compile_s: f64,
     pub compile_cache_hit: bool,
@@ -106,50 +108,139 @@ pub struct CudaLoadPhases {
     pub widen_s: f64,
 }
 
-pub struct CudaLlama {
+pub struct DeviceLlama<D: DeviceOps> {
     pub cfg: ModelConfig,
-    gpu: Arc<Gpu>,
-    _shards: Vec<DevBuf>,
+    dev: Arc<D>,
+    _shards: Vec<D::Buf>,
     embed: Mat,
     lm_head: Mat,
-    norm: DevBuf,
-    layers: Vec<DevLayer>,
+    norm: D::Buf,
+    layers: Vec<DevLayer<D::Buf>>,
     act: Elem,
     kv_kind: Elem,
     inv_freq: Vec<f64>,
-    scratch: Mutex<Option<Scratch>>,
+    scratch: Mutex<Option<Scratch<D::Buf>>>,
     stats: LoadStats,
-    pub phases: CudaLoadPhases,
+    pub phases: DeviceLoadPhases,
 }
+
+/// The model on a CUDA GPU.
+#[cfg(feature = "cuda")]
+pub type CudaLlama = DeviceLlama<thaw_kernels::cuda::Gpu>;
 
 /// Where PTX is cached between cold starts: `$THAW_HOME/ptx` (default `~/.cache/thaw/ptx`).
 pub fn ptx_cache_dir() -> Option<std::path::PathBuf> {
     Some(crate::fetch::thaw_home().join("ptx"))
 }
 
-impl CudaLlama {
-    /// Opens GPU `ordinal`, checks `dir`'s config and tensors, loads the weights to the device.
-    pub fn load(dir: &Path, opts: &LoadOptions, ordinal: usize) -> Result<CudaLlama, RuntimeError> {
-        let cfg = ModelConfig::load(dir)?;
-        let ck = Checkpoint::open(dir)?;
-        let t = Tensors::find(&cfg, &ck)?;
-        let dims = AttnDims {
-            n_heads: cfg.num_attention_heads,
-            n_kv_heads: cfg.n_kv_heads(),
-            head_dim: cfg.head_dim(),
-        };
-        dims.check().map_err(cuda_err)?;
-        let gpu = Arc::new(Gpu::open(ordinal, ptx_cache_dir().as_deref()).map_err(cuda_err)?);
+#[cfg(feature = "cuda")]
+impl DeviceLlama<thaw_kernels::cuda::Gpu> {
+    /// Opens GPU `ordinal`, checks `dir`'s config and tensors, streams the weights to the device
+    /// (pinned staging ring: reads overlap host → device copies).
+    pub fn load(
+        dir: &Path,
+        opts: &thaw_loader::LoadOptions,
+        ordinal: usize,
+    ) -> Result<Self, RuntimeError> {
+        use thaw_kernels::cuda::{DevBuf, Gpu};
+        let (cfg, ck, t) = open(dir)?;
+        let gpu = Arc::new(Gpu::open(ordinal, ptx_cache_dir().as_deref()).map_err(dev_err)?);
         let loaded = thaw_loader::cuda::load_to_device(&ck, opts, &gpu.ctx, 4)
             .map_err(RuntimeError::from)?;
+        let offsets: Vec<u64> = loaded.plan.shards.iter().map(|s| s.data_offset()).collect();
         let shards: Vec<DevBuf> = loaded
             .shards
             .into_iter()
             .map(|m| DevBuf::new(m, &gpu.stream))
             .collect();
+        let init = gpu.init.clone();
+        let phases = DeviceLoadPhases {
+            context_s: init.context_s,
+            compile_s: init.compile_s,
+            compile_cache_hit: init.compile_cache_hit,
+            module_s: init.module_s,
+            alloc_s: loaded.alloc_s,
+            copy_s: loaded.copy_s,
+            widen_s: 0.0,
+        };
+        Self::assemble(gpu, cfg, t, shards, &offsets, loaded.stats, phases)
+    }
+
+    pub fn gpu(&self) -> &thaw_kernels::cuda::Gpu {
+        &self.dev
+    }
+}
+
+/// Config, checkpoint and tensor map of `dir`, checked, plus the attention shape check.
+fn open(dir: &Path) -> Result<(ModelConfig, Checkpoint, Tensors), RuntimeError> {
+    let cfg = ModelConfig::load(dir)?;
+    let ck = Checkpoint::open(dir)?;
+    let t = Tensors::find(&cfg, &ck)?;
+    AttnDims {
+        n_heads: cfg.num_attention_heads,
+        n_kv_heads: cfg.n_kv_heads(),
+        head_dim: cfg.head_dim(),
+    }
+    .check()
+    .map_err(dev_err)?;
+    Ok((cfg, ck, t))
+}
+
+impl<D: DeviceOps> DeviceLlama<D> {
+    /// Loads `dir` onto `dev` the simple way: each shard file read whole, then uploaded (no
+    /// pipelining — the emulator's loader, and a reference for the streaming one).
+    pub fn load_simple(dev: Arc<D>, dir: &Path) -> Result<Self, RuntimeError> {
+        let t0 = Instant::now();
+        let (cfg, ck, t) = open(dir)?;
+        let mut shards = Vec::with_capacity(ck.shards.len());
+        let mut offsets = Vec::with_capacity(ck.shards.len());
+        let mut bytes = 0u64;
+        for sh in &ck.shards {
+            let data = std::fs::read(&sh.path).map_err(|e| RuntimeError::io(&sh.path, e))?;
+            if (data.len() as u64) < sh.data_start + sh.data_len {
+                return Err(RuntimeError::Config(format!(
+                    "{}: truncated ({} bytes, the header needs {})",
+                    sh.path.display(),
+                    data.len(),
+                    sh.data_start + sh.data_len
+                )));
+            }
+            let mut b = dev.alloc(data.len()).map_err(dev_err)?;
+            dev.upload(&mut b, 0, &data).map_err(dev_err)?;
+            bytes += sh.data_len;
+            shards.push(b);
+            offsets.push(sh.data_start);
+        }
+        let stats = LoadStats {
+            strategy: "simple".into(),
+            bytes,
+            total_s: t0.elapsed().as_secs_f64(),
+            ..LoadStats::default()
+        };
+        Self::assemble(
+            dev,
+            cfg,
+            t,
+            shards,
+            &offsets,
+            stats,
+            DeviceLoadPhases::default(),
+        )
+    }
+
+    /// Builds the model over shards already in device memory: shard `s`'s data section starts
+    /// at byte `offsets[s]` of `shards[s]`.
+    fn assemble(
+        dev: Arc<D>,
+        cfg: ModelConfig,
+        t: Tensors,
+        shards: Vec<D::Buf>,
+        offsets: &[u64],
+        stats: LoadStats,
+        mut phases: DeviceLoadPhases,
+    ) -> Result<Self, RuntimeError> {
         let addr = |e: &TensorEntry| -> Result<u64, RuntimeError> {
-            let a =
-                shards[e.shard].ptr() + loaded.plan.shards[e.shard].data_offset() + e.info.begin;
+            let a = shards[e.shard].ptr() + offsets[e.shard] + e.info.begin;
             let align = if e.info.dtype == Dtype::F32 { 4 } else { 2 };
             if !a.is_multiple_of(align) {
                 return Err(RuntimeError::Config(format!(
@@ -168,11 +259,11 @@ impl CudaLlama {
             })
         };
         let tw = Instant::now();
-        let widen = |e: &TensorEntry| -> Result<DevBuf, RuntimeError> {
+        let widen = |e: &TensorEntry| -> Result<D::Buf, RuntimeError> {
             let n = e.info.shape.iter().product::<usize>();
-            let out = gpu.alloc(n * 4).map_err(cuda_err)?;
-            gpu.widen(addr(e)?, elem(e.info.dtype), out.ptr(), n)
-                .map_err(cuda_err)?;
+            let out = dev.alloc(n * 4).map_err(dev_err)?;
+            dev.widen(addr(e)?, elem(e.info.dtype), out.ptr(), n)
+                .map_err(dev_err)?;
             Ok(out)
         };
         let mut layers = Vec::with_capacity(t.layers.len());
@@ -193,48 +284,34 @@ impl CudaLlama {
             });
         }
         let norm = widen(&t.norm)?;
-        gpu.sync().map_err(cuda_err)?;
-        let widen_s = tw.elapsed().as_secs_f64();
+        dev.sync().map_err(dev_err)?;
+        phases.widen_s = tw.elapsed().as_secs_f64();
         let embed = mat(&t.embed)?;
         let lm_head = mat(&t.lm_head)?;
-        let act = embed.kind;
         // The CPU's policy (bf16 KV with bf16 weights; THAW_KV_DTYPE overrides), one place.
         let kv_kind = match crate::model::kv_dtype_for(t.embed.info.dtype) {
             KvDtype::F32 => Elem::F32,
             KvDtype::Bf16 => Elem::Bf16,
         };
-        let init = gpu.init.clone();
-        Ok(CudaLlama {
+        Ok(DeviceLlama {
             inv_freq: inv_freq(&cfg),
             cfg,
             _shards: shards,
+            act: embed.kind,
             embed,
             lm_head,
             norm,
             layers,
-            act,
             kv_kind,
             scratch: Mutex::new(None),
-            stats: loaded.stats,
-            phases: CudaLoadPhases {
-                context_s: init.context_s,
-                compile_s: init.compile_s,
-                compile_cache_hit: init.compile_cache_hit,
-                module_s: init.module_s,
-                alloc_s: loaded.alloc_s,
-                copy_s: loaded.copy_s,
-                widen_s,
-            },
-            gpu,
+            stats,
+            phases,
+            dev,
         })
     }
 
     pub fn load_stats(&self) -> &LoadStats {
         &self.stats
-    }
-
-    pub fn gpu(&self) -> &Gpu {
-        &self.gpu
     }
 
     /// Bytes of weights read per decoded token (as [`crate::Llama::weight_bytes`]).
@@ -264,11 +341,11 @@ impl CudaLlama {
 
     fn scratch<'a>(
         &self,
-        slot: &'a mut Option<Scratch>,
+        slot: &'a mut Option<Scratch<D::Buf>>,
         rows: usize,
         picked: usize,
         meta_bytes: usize,
-    ) -> Result<&'a mut Scratch, RuntimeError> {
+    ) -> Result<&'a mut Scratch<D::Buf>, RuntimeError> {
         let fits = slot
             .as_ref()
             .is_some_and(|s| s.rows >= rows && s.picked >= picked && s.meta.len() >= meta_bytes);
@@ -278,7 +355,7 @@ impl CudaLlama {
             let rows = rows.next_power_of_two().max(16);
             let picked = picked.next_power_of_two().max(16);
             let (h, ffn) = (c.hidden_size, c.intermediate_size);
-            let a = |n: usize| self.gpu.alloc(n * 4).map_err(cuda_err);
+            let a = |n: usize| self.dev.alloc(n * 4).map_err(dev_err);
             *slot = Some(Scratch {
                 rows,
                 picked,
@@ -298,7 +375,11 @@ impl CudaLlama {
         Ok(slot.as_mut().expect("just made"))
     }
 
-    fn run(&self, seqs: &[SeqChunk<'_>], kv: &mut DeviceKv) -> Result<Vec<f32>, RuntimeError> {
+    fn run(
+        &self,
+        seqs: &[SeqChunk<'_>],
+        kv: &mut DeviceKv<D::Buf>,
+    ) -> Result<Vec<f32>, RuntimeError> {
         let c = &self.cfg;
         validate(c, seqs, kv.layout.block_size, kv.layout.blocks)?;
         let plan = StepPlan::build(seqs, kv.layout, &self.inv_freq, false);
@@ -306,15 +387,15 @@ impl CudaLlama {
         let (meta, at) = plan.pack();
         let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let s = self.scratch(&mut guard, n, p, meta.len())?;
-        let g = &*self.gpu;
-        g.bind().map_err(cuda_err)?;
-        g.upload(&mut s.meta, 0, &meta).map_err(cuda_err)?;
+        let g = &*self.dev;
+        g.bind().map_err(dev_err)?;
+        g.upload(&mut s.meta, 0, &meta).map_err(dev_err)?;
         let m = s.meta.ptr();
         let (h, ffn, qd, kvd) = (c.hidden_size, c.intermediate_size, c.q_dim(), c.kv_dim());
         let eps = c.rms_norm_eps as f32;
         let dims = self.dims();
         let act = self.act;
-        let e = cuda_err;
+        let e = dev_err;
         let gemm = |w: &Mat, x: u64, rows: usize, y: u64, beta: f32| {
             g.gemm(w.ptr, w.kind, w.rows, w.cols, x, rows, y, beta)
                 .map_err(e)
@@ -406,15 +487,15 @@ impl CudaLlama {
     }
 }
 
-impl StepModel for CudaLlama {
-    type Kv = DeviceKv;
+impl<D: DeviceOps> StepModel for DeviceLlama<D> {
+    type Kv = DeviceKv<D::Buf>;
     fn config(&self) -> &ModelConfig {
         &self.cfg
     }
     fn kv_bytes_per_block(&self, block_size: usize) -> usize {
         2 * self.cfg.num_hidden_layers * block_size * self.cfg.kv_dim() * self.kv_kind.bytes()
     }
-    fn new_kv(&self, block_size: usize, blocks: usize) -> Result<DeviceKv, RuntimeError> {
+    fn new_kv(&self, block_size: usize, blocks: usize) -> Result<Self::Kv, RuntimeError> {
         let layout = KvLayout {
             block_size,
             layers: self.cfg.num_hidden_layers,
@@ -423,9 +504,9 @@ impl StepModel for CudaLlama {
         };
         let bytes = blocks * layout.block_stride() * self.kv_kind.bytes();
         let alloc = |what: &str| {
-            self.gpu.alloc(bytes).map_err(|e| {
+            self.dev.alloc(bytes).map_err(|e| {
                 RuntimeError::Config(format!(
-                    "CUDA: allocating the KV cache's {what} ({} MB): {e}",
+                    "device: allocating the KV cache's {what} ({} MB): {e}",
                     bytes >> 20
                 ))
             })
@@ -440,7 +521,7 @@ impl StepModel for CudaLlama {
     fn forward_batch(
         &self,
         seqs: &[SeqChunk<'_>],
-        kv: &mut DeviceKv,
+        kv: &mut Self::Kv,
     ) -> Result<Vec<f32>, RuntimeError> {
         self.run(seqs, kv)
     }

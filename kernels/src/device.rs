@@ -1,0 +1,216 @@
+//! The device interface a model drives: memory addressed by `u64`, the kernels of
+//! `cuda/kernels.cu`, and GEMM. Implemented by the CUDA [`crate::cuda::Gpu`] (feature `cuda`)
+//! and by the CPU emulator of those kernels (`thaw-cuda-emu`, tests), so the model code above it
+//! — the sequence of launches, buffer sizes, GEMM shapes — runs and is checked without a GPU.
+//!
+//! All work is queued in order on one stream; [`DeviceOps::download_f32`] waits for everything
+//! queued before it.
+
+/// How elements are stored in device memory (the kernels' `kind` codes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Elem {
+    F32 = 0,
+    Bf16 = 1,
+    F16 = 2,
+}
+
+impl Elem {
+    pub fn bytes(self) -> usize {
+        match self {
+            Elem::F32 => 4,
+            _ => 2,
+        }
+    }
+    pub fn code(self) -> i32 {
+        self as i32
+    }
+}
+
+/// Query heads per KV head and head dimension the attention kernel holds in registers.
+pub const MAX_GROUP: usize = 8;
+pub const MAX_HEAD_DIM: usize = 128;
+
+/// Attention shape.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnDims {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl AttnDims {
+    /// Whether the attention kernel takes this shape (it keeps a query group in registers).
+    pub fn check(&self) -> Result<(), String> {
+        let ok = self.n_kv_heads > 0
+            && self.n_heads.is_multiple_of(self.n_kv_heads)
+            && self.n_heads / self.n_kv_heads <= MAX_GROUP
+            && self.head_dim <= MAX_HEAD_DIM
+            && self.head_dim.is_multiple_of(2);
+        if ok {
+            Ok(())
+        } else {
+            Err(format!(
+                "{} query heads over {} KV heads of dimension {}: the CUDA attention kernel takes \
+                 up to {MAX_GROUP} query heads per KV head and head_dim up to {MAX_HEAD_DIM}",
+                self.n_heads, self.n_kv_heads, self.head_dim
+            ))
+        }
+    }
+}
+
+/// Where attention finds each row's keys and values: device addresses of the per-row position,
+/// per-row offset into the flattened block tables, the tables; and the store's layout.
+#[derive(Debug, Clone, Copy)]
+pub struct Paging {
+    pub pos: u64,
+    pub table_off: u64,
+    pub tables: u64,
+    pub block_size: usize,
+    pub block_stride: usize,
+    pub layer_off: usize,
+}
+
+/// A column-major GEMM call (cuBLAS's convention): `C[m×n] = op(A)·op(B) + beta·C` with
+/// `op(A)[i][l] = A[l + i·lda]` when `transa` (else `A[i + l·lda]`), likewise for B, and
+/// `C[i][j]` at `i + j·ldc`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GemmCall {
+    pub transa: bool,
+    pub transb: bool,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub lda: usize,
+    pub ldb: usize,
+    pub ldc: usize,
+}
+
+impl GemmCall {
+    /// The call computing row-major `Y[rows, out] = X[rows, in] · Wᵀ` for row-major
+    /// `W[out, in]`: seen column-major, Yᵀ[out, rows] = (W as [in, out])ᵀ · (X as [in, rows]).
+    /// The CUDA backend hands exactly this to cuBLAS; the emulator executes it.
+    pub fn linear(out_dim: usize, in_dim: usize, rows: usize) -> GemmCall {
+        GemmCall {
+            transa: true,
+            transb: false,
+            m: out_dim,
+            n: rows,
+            k: in_dim,
+            lda: in_dim,
+            ldb: in_dim,
+            ldc: out_dim,
+        }
+    }
+}
+
+/// A device allocation.
+pub trait DeviceBuf: Send + Sync {
+    /// Its device address.
+    fn ptr(&self) -> u64;
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One device with one in-order stream. Kernel arguments are device addresses; callers keep
+/// buffers alive until a download has waited for the work that uses them.
+pub trait DeviceOps: Send + Sync + 'static {
+    type Buf: DeviceBuf + 'static;
+    type Error: std::error::Error + Send + Sync + 'static;
+
+    /// `bytes` of zeroed device memory.
+    fn alloc(&self, bytes: usize) -> Result<Self::Buf, Self::Error>;
+    /// Copies `src` into `dst` at byte offset `at`.
+    fn upload(&self, dst: &mut Self::Buf, at: usize, src: &[u8]) -> Result<(), Self::Error>;
+    /// Copies f32s out of `src` at byte offset `at`, after all queued work.
+    fn download_f32(&self, src: &Self::Buf, at: usize, dst: &mut [f32]) -> Result<(), Self::Error>;
+    /// Makes the device usable from the calling thread.
+    fn bind(&self) -> Result<(), Self::Error>;
+    /// Waits for all queued work.
+    fn sync(&self) -> Result<(), Self::Error>;
+
+    /// `dst[i] = src[i]` widened to f32, `n` elements.
+    fn widen(&self, src: u64, kind: Elem, dst: u64, n: usize) -> Result<(), Self::Error>;
+    /// `out[r] = table[ids[r]]` widened to f32, rows of `d`.
+    fn embed(
+        &self,
+        table: u64,
+        kind: Elem,
+        ids: u64,
+        n: usize,
+        d: usize,
+        out: u64,
+    ) -> Result<(), Self::Error>;
+    /// RMSNorm of `n` rows of `d` (row `rows_map[r]` of `x` when `rows_map` is nonzero),
+    /// stored as `out_kind`.
+    #[allow(clippy::too_many_arguments)]
+    fn rmsnorm(
+        &self,
+        x: u64,
+        rows_map: u64,
+        w: u64,
+        n: usize,
+        d: usize,
+        eps: f32,
+        out: u64,
+        out_kind: Elem,
+    ) -> Result<(), Self::Error>;
+    /// `x[i] += bias[i % d]` for `n` elements.
+    fn add_bias(&self, x: u64, bias: u64, d: usize, n: usize) -> Result<(), Self::Error>;
+    /// `out = silu(g) · u` over `n` elements, stored as `out_kind`.
+    fn silu_mul(
+        &self,
+        g: u64,
+        u: u64,
+        out: u64,
+        out_kind: Elem,
+        n: usize,
+    ) -> Result<(), Self::Error>;
+    /// RoPE on `n` rows of queries (in place) and keys, then keys and values into the cache at
+    /// `slots[r] + layer_off`.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_store(
+        &self,
+        q: u64,
+        k: u64,
+        v: u64,
+        cos: u64,
+        sin: u64,
+        n: usize,
+        shape: AttnDims,
+        kc: u64,
+        vc: u64,
+        kv_kind: Elem,
+        slots: u64,
+        layer_off: usize,
+    ) -> Result<(), Self::Error>;
+    /// Causal paged GQA attention for `n` query rows.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        q: u64,
+        kc: u64,
+        vc: u64,
+        kv_kind: Elem,
+        paging: Paging,
+        n: usize,
+        shape: AttnDims,
+        out: u64,
+        out_kind: Elem,
+    ) -> Result<(), Self::Error>;
+    /// `y[n, out] = x[n, in] · Wᵀ + beta · y`: W `[out, in]` row-major in `w_kind`, x in the same
+    /// kind, y f32, f32 accumulation.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        w: u64,
+        w_kind: Elem,
+        out_dim: usize,
+        in_dim: usize,
+        x: u64,
+        n: usize,
+        y: u64,
+        beta: f32,
+    ) -> Result<(), Self::Error>;
+}
