@@ -13,6 +13,6 @@ export LD_LIBRARY_PATH="$nvrtc${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 # The CUDA backend must always build here (cudarc loads CUDA at run time); its kernels compile
 # with NVRTC (above) in the kernels' tests; tests that need a GPU skip with a message.
 cargo test --release -p thaw-kernels -p thaw-loader --features cuda
-cargo check --release -p thaw-runtime --features cuda
+cargo check --release -p thaw-runtime -p bench-coldstart --features thaw-runtime/cuda,bench-coldstart/cuda
 cargo build --release --bins
 cargo test --release --workspace "$@"

@@ -147,6 +147,14 @@ impl Gpu {
             attention: f("attention")?,
             read_probe: f("read_probe")?,
         };
+        // SAFETY: only probes whether the library can be opened (cudarc panics on a call into a
+        // library it cannot load).
+        if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+            return Err(CudaError::Driver(
+                "libcublas could not be loaded (install the CUDA libraries or set LD_LIBRARY_PATH)"
+                    .into(),
+            ));
+        }
         let blas = CudaBlas::new(stream.clone()).map_err(drv)?;
         let module_s = t.elapsed().as_secs_f64();
         Ok(Gpu {
