@@ -1,5 +1,5 @@
 //! The device interface a model drives: memory addressed by `u64`, the kernels of
-//! `cuda/kernels.cu`, and GEMM. Implemented by the CUDA [`crate::cuda::Gpu`] (feature `cuda`)
+//! `cuda/kernels.cu`, and GEMM. Implemented by the CUDA `cuda::Gpu` (feature `cuda`)
 //! and by the CPU emulator of those kernels (`thaw-cuda-emu`, tests), so the model code above it
 //! — the sequence of launches, buffer sizes, GEMM shapes — runs and is checked without a GPU.
 //!

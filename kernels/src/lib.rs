@@ -1,7 +1,7 @@
 //! # thaw-kernels: the compute, and nothing else
 //!
 //! Pure functions over host slices, and a device interface ([`device::DeviceOps`]) with its CUDA
-//! implementation ([`cuda`], feature `cuda`: NVRTC-compiled kernels, cuBLAS): no I/O, no model
+//! implementation (`cuda`, feature `cuda`: NVRTC-compiled kernels, cuBLAS): no I/O, no model
 //! knowledge. The CPU backend is the default everywhere and is written to be *fast* on the
 //! memory-bound decode path and *deterministic* under batching:
 //!

@@ -420,10 +420,13 @@ pub fn load_into(
     progress: &mut dyn FnMut(Progress),
 ) -> Result<(LoadPlan, LoadStats), LoadError> {
     let mut job = begin(ck, opts)?;
-    let strategy = if opts.strategy == Strategy::Pread {
-        Strategy::Pread
-    } else {
-        Strategy::UringDirect
+    // Bytes must be copied into the destination's buffers either way (no in-place mapping), so
+    // `auto` reads a page-cache-resident checkpoint with buffered parallel preads (memory
+    // speed; O_DIRECT would go back to the disk) and anything else with io_uring + O_DIRECT.
+    let strategy = match opts.strategy {
+        Strategy::Pread => Strategy::Pread,
+        Strategy::Auto if job.stats.resident >= 0.9 => Strategy::Pread,
+        _ => Strategy::UringDirect,
     };
     let used = read_into(ck, &mut job, strategy, dest, progress)?;
     finish(&mut job, used);

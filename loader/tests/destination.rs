@@ -203,6 +203,23 @@ fn staging_ring_reuses_buffers_and_reassembles_every_byte() {
             assert_eq!(first.layer, 0);
         }
     }
+    // `auto` on a checkpoint just written (resident in the page cache) reads it with buffered
+    // preads: O_DIRECT would fetch from the disk what memory already holds.
+    let resident = thaw_loader::read::resident_fraction(&thaw_loader::LoadPlan::new(&ck, 64 << 10));
+    let bufs = vec![AlignedBuf::zeroed(64 << 10), AlignedBuf::zeroed(64 << 10)];
+    let mut ring = StagingRing::new(bufs, FakeGpu::new());
+    let opts = LoadOptions {
+        chunk_size: 64 << 10,
+        ..LoadOptions::default()
+    };
+    let (_, stats) = load_into(&ck, &opts, &mut ring, &mut |_| {}).unwrap();
+    ring.finish().unwrap();
+    eprintln!("resident fraction after writing: {resident}");
+    if resident >= 0.9 {
+        assert_eq!(stats.strategy, "pread", "resident {resident}");
+    } else {
+        assert_eq!(stats.strategy, "uring-direct", "resident {resident}");
+    }
     // Buffers smaller than a chunk: a clear error before any read.
     let mut ring = StagingRing::new(vec![AlignedBuf::zeroed(4096)], FakeGpu::new());
     let opts = LoadOptions {

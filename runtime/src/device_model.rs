@@ -145,7 +145,7 @@ impl DeviceLlama<thaw_kernels::cuda::Gpu> {
         use thaw_kernels::cuda::{DevBuf, Gpu};
         let (cfg, ck, t) = open(dir)?;
         let gpu = Arc::new(Gpu::open(ordinal, ptx_cache_dir().as_deref()).map_err(dev_err)?);
-        let loaded = thaw_loader::cuda::load_to_device(&ck, opts, &gpu.ctx, 4)
+        let loaded = thaw_loader::cuda::load_to_device(&ck, opts, &gpu.ctx, 8)
             .map_err(RuntimeError::from)?;
         let offsets: Vec<u64> = loaded.plan.shards.iter().map(|s| s.data_offset()).collect();
         let shards: Vec<DevBuf> = loaded
