@@ -10,6 +10,7 @@ bash scripts/setup-test-deps.sh
 home="${THAW_HOME:-$HOME/.cache/thaw}"
 nvrtc="$("$home/venv/bin/python" -c 'import os, nvidia.cuda_nvrtc as n; print(os.path.join(os.path.dirname(n.__file__), "lib"))')"
 export LD_LIBRARY_PATH="$nvrtc${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export THAW_REQUIRE_NVRTC=1  # the kernel-compile tests must not skip here
 # The CUDA backend must always build here (cudarc loads CUDA at run time); its kernels compile
 # with NVRTC (above) in the kernels' tests; tests that need a GPU skip with a message.
 cargo test --release -p thaw-kernels -p thaw-loader --features cuda

@@ -3,7 +3,7 @@
 //! and by the CPU emulator of those kernels (`thaw-cuda-emu`, tests), so the model code above it
 //! — the sequence of launches, buffer sizes, GEMM shapes — runs and is checked without a GPU.
 //!
-//! All work is queued in order on one stream; [`DeviceOps::download_f32`] waits for everything
+//! All work is queued in order on one stream; [`DeviceOps::download`] waits for everything
 //! queued before it.
 
 /// How elements are stored in device memory (the kernels' `kind` codes).
@@ -123,8 +123,8 @@ pub trait DeviceOps: Send + Sync + 'static {
     fn alloc(&self, bytes: usize) -> Result<Self::Buf, Self::Error>;
     /// Copies `src` into `dst` at byte offset `at`.
     fn upload(&self, dst: &mut Self::Buf, at: usize, src: &[u8]) -> Result<(), Self::Error>;
-    /// Copies f32s out of `src` at byte offset `at`, after all queued work.
-    fn download_f32(&self, src: &Self::Buf, at: usize, dst: &mut [f32]) -> Result<(), Self::Error>;
+    /// Copies bytes out of `src` at byte offset `at`, after all queued work.
+    fn download(&self, src: &Self::Buf, at: usize, dst: &mut [u8]) -> Result<(), Self::Error>;
     /// Makes the device usable from the calling thread.
     fn bind(&self) -> Result<(), Self::Error>;
     /// Waits for all queued work.
@@ -199,6 +199,8 @@ pub trait DeviceOps: Send + Sync + 'static {
         out: u64,
         out_kind: Elem,
     ) -> Result<(), Self::Error>;
+    /// `ids[r]` = the first index of the maximum of row `r` of `x` (`rows` rows of `n` f32).
+    fn argmax_rows(&self, x: u64, rows: usize, n: usize, ids: u64) -> Result<(), Self::Error>;
     /// `y[n, out] = x[n, in] · Wᵀ + beta · y`: W `[out, in]` row-major in `w_kind`, x in the same
     /// kind, y f32, f32 accumulation.
     #[allow(clippy::too_many_arguments)]

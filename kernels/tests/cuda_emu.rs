@@ -439,3 +439,40 @@ fn rope_store_and_paged_attention_match_the_cpu() {
         }
     }
 }
+
+/// Device argmax = the CPU sampler's rule (first index of the maximum) on rows with ties at
+/// different distances, a maximum at either end, a row of -inf, for the GPU's and the
+/// emulator's block sizes and vocabularies of awkward length.
+#[test]
+fn argmax_rows_picks_the_first_maximum() {
+    let cpu = |row: &[f32]| -> u32 {
+        let mut best = 0;
+        for (i, &v) in row.iter().enumerate() {
+            if v > row[best] {
+                best = i;
+            }
+        }
+        best as u32
+    };
+    let mut r = Rng(41);
+    for n in [1usize, 31, 1000, 49_152 + 7] {
+        let mut rows: Vec<Vec<f32>> = (0..5).map(|_| r.vec(n)).collect();
+        if n > 31 {
+            let m = 5.0;
+            rows[1][n / 3] = m; // a tie: the earlier one wins
+            rows[1][n - 2] = m;
+            rows[2][n - 1] = m; // maximum at the end
+            rows[3][0] = m; // and at the start, tied later
+            rows[3][n / 2] = m;
+            rows[3][n / 2 + 1] = m;
+        }
+        rows[4] = vec![f32::NEG_INFINITY; n];
+        let x: Vec<f32> = rows.concat();
+        for block in [64u32, 256, 1024] {
+            let mut ids = vec![u32::MAX; rows.len()];
+            emu::argmax_rows(&x, n, &mut ids, block);
+            let want: Vec<u32> = rows.iter().map(|row| cpu(row)).collect();
+            assert_eq!(ids, want, "n {n}, block {block}");
+        }
+    }
+}

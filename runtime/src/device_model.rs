@@ -41,6 +41,12 @@ fn elem(d: Dtype) -> Elem {
     }
 }
 
+/// What a step brings back from the device.
+enum Step {
+    Logits(Vec<f32>),
+    Ids(Vec<u32>),
+}
+
 /// A weight matrix `[rows, cols]` in device memory.
 #[derive(Clone, Copy)]
 struct Mat {
@@ -94,6 +100,7 @@ struct Scratch<B> {
     u: B,
     hid: B,
     logits: B,
+    ids: B,
 }
 
 /// How a device model came up: the device-specific cold-start phases, in seconds.
@@ -370,16 +377,20 @@ impl<D: DeviceOps> DeviceLlama<D> {
                 u: a(rows * ffn)?,
                 hid: a(rows * ffn)?,
                 logits: a(picked * c.vocab_size)?,
+                ids: a(picked)?,
             });
         }
         Ok(slot.as_mut().expect("just made"))
     }
 
+    /// One step; with `greedy`, the logits stay on the device and only each sequence's argmax
+    /// id comes back.
     fn run(
         &self,
         seqs: &[SeqChunk<'_>],
         kv: &mut DeviceKv<D::Buf>,
-    ) -> Result<Vec<f32>, RuntimeError> {
+        greedy: bool,
+    ) -> Result<Step, RuntimeError> {
         let c = &self.cfg;
         validate(c, seqs, kv.layout.block_size, kv.layout.blocks)?;
         let plan = StepPlan::build(seqs, kv.layout, &self.inv_freq, false);
@@ -481,9 +492,26 @@ impl<D: DeviceOps> DeviceLlama<D> {
         )
         .map_err(e)?;
         gemm(&self.lm_head, s.xn.ptr(), p, s.logits.ptr(), 0.0)?;
-        let mut logits = vec![0f32; p * c.vocab_size];
-        g.download_f32(&s.logits, 0, &mut logits).map_err(e)?;
-        Ok(logits)
+        if greedy {
+            g.argmax_rows(s.logits.ptr(), p, c.vocab_size, s.ids.ptr())
+                .map_err(e)?;
+            let mut bytes = vec![0u8; p * 4];
+            g.download(&s.ids, 0, &mut bytes).map_err(e)?;
+            return Ok(Step::Ids(
+                bytes
+                    .chunks_exact(4)
+                    .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect(),
+            ));
+        }
+        let mut bytes = vec![0u8; p * c.vocab_size * 4];
+        g.download(&s.logits, 0, &mut bytes).map_err(e)?;
+        Ok(Step::Logits(
+            bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+        ))
     }
 }
 
@@ -523,6 +551,19 @@ impl<D: DeviceOps> StepModel for DeviceLlama<D> {
         seqs: &[SeqChunk<'_>],
         kv: &mut Self::Kv,
     ) -> Result<Vec<f32>, RuntimeError> {
-        self.run(seqs, kv)
+        match self.run(seqs, kv, false)? {
+            Step::Logits(l) => Ok(l),
+            Step::Ids(_) => Err(RuntimeError::Config("a logits step returned ids".into())),
+        }
+    }
+    fn forward_batch_greedy(
+        &self,
+        seqs: &[SeqChunk<'_>],
+        kv: &mut Self::Kv,
+    ) -> Result<Vec<u32>, RuntimeError> {
+        match self.run(seqs, kv, true)? {
+            Step::Ids(ids) => Ok(ids),
+            Step::Logits(_) => Err(RuntimeError::Config("a greedy step returned logits".into())),
+        }
     }
 }

@@ -219,6 +219,12 @@ impl Drop for Engine {
     }
 }
 
+/// What a step gave back: every sequence's logits, or (all greedy) every sequence's argmax.
+enum StepOut {
+    Logits(Vec<f32>),
+    Ids(Vec<u32>),
+}
+
 struct Seq {
     tokens: Vec<u32>,
     prompt_len: usize,
@@ -480,11 +486,23 @@ impl<M: StepModel> Scheduler<M> {
                 table: &s.table,
             })
             .collect();
-        let result = self.model.forward_batch(&chunks, &mut self.kv);
+        // A step where every sequence that samples is greedy asks the model for ids only.
+        let greedy = plan
+            .iter()
+            .all(|(s, n)| s.done + n < s.tokens.len() || s.sampler.is_greedy());
+        let result = if greedy {
+            self.model
+                .forward_batch_greedy(&chunks, &mut self.kv)
+                .map(StepOut::Ids)
+        } else {
+            self.model
+                .forward_batch(&chunks, &mut self.kv)
+                .map(StepOut::Logits)
+        };
         drop(chunks);
         self.counters.steps += 1;
         let vocab = self.model.config().vocab_size;
-        let logits = match result {
+        let out = match result {
             Ok(l) => l,
             Err(e) => {
                 for (mut s, _) in plan {
@@ -502,7 +520,10 @@ impl<M: StepModel> Scheduler<M> {
                 self.running.push(s); // more prompt to go
                 continue;
             }
-            let id = s.sampler.sample(&logits[j * vocab..(j + 1) * vocab]);
+            let id = match &out {
+                StepOut::Ids(ids) => ids[j],
+                StepOut::Logits(l) => s.sampler.sample(&l[j * vocab..(j + 1) * vocab]),
+            };
             s.sampler.observe(id);
             let stop = !s.req.ignore_eos && s.req.stop_ids.contains(&id);
             let mut alive = true;

@@ -308,6 +308,11 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Generate(a) => run_generate(a)?,
         Cmd::Serve(a) => {
             let device = device::resolve(a.load.device, &mut |n| eprintln!("note: {n}"))?;
+            if a.serve_while_loading && device != Device::Cpu {
+                eprintln!(
+                    "note: --serve-while-loading applies to the CPU backend; the GPU loads fully before serving"
+                );
+            }
             let dir = resolve_model(&a.model)?;
             thaw_runtime::server::serve(ServeOptions {
                 model_dir: dir,

@@ -83,6 +83,12 @@ impl Sampler {
         }
     }
 
+    /// Whether [`Sampler::sample`] is a plain argmax (temperature 0, no penalties): then the
+    /// model may pick the id itself ([`crate::StepModel::forward_batch_greedy`]).
+    pub fn is_greedy(&self) -> bool {
+        self.params.temperature <= 0.0 && !self.penalized()
+    }
+
     fn penalized(&self) -> bool {
         self.params.presence_penalty != 0.0 || self.params.frequency_penalty != 0.0
     }

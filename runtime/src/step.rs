@@ -26,6 +26,22 @@ pub trait StepModel: Send + Sync + 'static {
         seqs: &[SeqChunk<'_>],
         kv: &mut Self::Kv,
     ) -> Result<Vec<f32>, RuntimeError>;
+    /// [`StepModel::forward_batch`] for a step whose every sequence samples greedily: each
+    /// sequence's argmax id (the first index of its largest logit, as
+    /// [`crate::sampling::argmax`]). A device backend computes it where the logits are and
+    /// copies back one id per sequence instead of a vocabulary of floats.
+    fn forward_batch_greedy(
+        &self,
+        seqs: &[SeqChunk<'_>],
+        kv: &mut Self::Kv,
+    ) -> Result<Vec<u32>, RuntimeError> {
+        let vocab = self.config().vocab_size;
+        Ok(self
+            .forward_batch(seqs, kv)?
+            .chunks_exact(vocab)
+            .map(crate::sampling::argmax)
+            .collect())
+    }
 }
 
 /// Where a paged store keeps things: `block_size` positions per block, `layers` layers per

@@ -151,7 +151,9 @@ fn steps<M: StepModel>(m: &M) -> (Vec<f32>, Vec<f32>) {
     (prefill, batch)
 }
 
-/// Greedy outputs of concurrent requests through the engine (chunked prefill: 16-token steps).
+/// Outputs of concurrent requests through the engine (chunked prefill: 16-token steps): greedy
+/// ones (steps of only greedy sequences take the model's argmax path) and one seeded sampled
+/// request, whose steps need the logits.
 fn engine_ids<M: StepModel>(m: Arc<M>) -> Vec<Vec<u32>> {
     let vocab = m.config().vocab_size;
     let mut cfg = EngineConfig::with_kv_bytes(&*m, 4 << 20);
@@ -162,7 +164,15 @@ fn engine_ids<M: StepModel>(m: Arc<M>) -> Vec<Vec<u32>> {
             e.submit(Request {
                 prompt: prompt(vocab, 3 + 11 * i, i as u64 + 5),
                 max_tokens: 6,
-                sampling: SamplingParams::default(),
+                sampling: if i == 3 {
+                    SamplingParams {
+                        temperature: 0.7,
+                        seed: Some(3),
+                        ..SamplingParams::default()
+                    }
+                } else {
+                    SamplingParams::default()
+                },
                 stop_ids: vec![],
                 ignore_eos: true,
             })

@@ -96,6 +96,9 @@ void thaw_emu_rope_store(unsigned rows, unsigned block, float* q, const float* k
         rope_store(q, k, v, cos_t, sin_t, n_heads, n_kv, hd, kc, vc, kv_kind, slot, layer_off);
     });
 }
+void thaw_emu_argmax_rows(unsigned rows, unsigned block, const float* x, int n, u32* ids) {
+    launch(rows, 1, block, [=] { argmax_rows(x, n, ids); });
+}
 void thaw_emu_attention(unsigned rows, unsigned kv_heads, const float* q, const void* kc,
                         const void* vc, int kv_kind, const u32* pos, const u32* table_off,
                         const u32* tables, int block_size, i64 block_stride, i64 layer_off,

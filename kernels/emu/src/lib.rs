@@ -77,6 +77,7 @@ extern "C" {
         slot: *const I64,
         layer_off: I64,
     );
+    fn thaw_emu_argmax_rows(rows: u32, block: u32, x: *const f32, n: i32, ids: *mut u32);
     fn thaw_emu_attention(
         rows: u32,
         kv_heads: u32,
@@ -262,6 +263,22 @@ pub struct Paging {
     pub layer_off: usize,
 }
 
+/// `ids[r]` = first index of the maximum of row `r` (rows of `n`), with `block` threads per row.
+pub fn argmax_rows(x: &[f32], n: usize, ids: &mut [u32], block: u32) {
+    assert_eq!(x.len(), ids.len() * n);
+    assert!(block.is_power_of_two() && (32..=1024).contains(&block));
+    // SAFETY: lengths checked.
+    unsafe {
+        thaw_emu_argmax_rows(
+            ids.len() as u32,
+            block,
+            x.as_ptr(),
+            n as i32,
+            ids.as_mut_ptr(),
+        )
+    }
+}
+
 /// Causal paged attention for rows at `pos`, each reading its table at `table_off` in `tables`.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
@@ -395,8 +412,8 @@ pub mod device {
             };
             Ok(())
         }
-        fn download_f32(&self, src: &EmuBuf, at: usize, dst: &mut [f32]) -> Result<(), EmuError> {
-            let n = std::mem::size_of_val(dst);
+        fn download(&self, src: &EmuBuf, at: usize, dst: &mut [u8]) -> Result<(), EmuError> {
+            let n = dst.len();
             if at + n > src.len {
                 return Err(EmuError("download overruns its buffer".into()));
             }
@@ -404,7 +421,7 @@ pub mod device {
             unsafe {
                 std::ptr::copy_nonoverlapping(
                     (src.mem.as_ptr() as *const u8).add(at),
-                    dst.as_mut_ptr() as *mut u8,
+                    dst.as_mut_ptr(),
                     n,
                 )
             };
@@ -587,6 +604,19 @@ pub mod device {
                     1.0 / (s.head_dim as f32).sqrt(),
                     out as *mut u8,
                     out_kind.code(),
+                )
+            };
+            Ok(())
+        }
+        fn argmax_rows(&self, x: u64, rows: usize, n: usize, ids: u64) -> Result<(), EmuError> {
+            // SAFETY: x holds rows·n f32, ids rows u32 (the caller's buffers).
+            unsafe {
+                super::thaw_emu_argmax_rows(
+                    rows as u32,
+                    64,
+                    x as *const f32,
+                    n as i32,
+                    ids as *mut u32,
                 )
             };
             Ok(())

@@ -78,6 +78,7 @@ struct Kernels {
     silu_mul: CudaFunction,
     rope_store: CudaFunction,
     attention: CudaFunction,
+    argmax_rows: CudaFunction,
     read_probe: CudaFunction,
 }
 
@@ -99,7 +100,7 @@ fn grid_1d(n: usize, block: u32) -> LaunchConfig {
     }
 }
 
-fn rows(n: usize, block: u32) -> LaunchConfig {
+fn rows_cfg(n: usize, block: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (n as u32, 1, 1),
         block_dim: (block, 1, 1),
@@ -145,6 +146,7 @@ impl Gpu {
             silu_mul: f("silu_mul")?,
             rope_store: f("rope_store")?,
             attention: f("attention")?,
+            argmax_rows: f("argmax_rows")?,
             read_probe: f("read_probe")?,
         };
         // SAFETY: only probes whether the library can be opened (cudarc panics on a call into a
@@ -228,20 +230,16 @@ impl DeviceOps for Gpu {
     }
 
     /// Copies `dst.len()` f32s from device address `src` (after everything queued before it).
-    fn download_f32(&self, src: &DevBuf, at: usize, dst: &mut [f32]) -> Result<(), CudaError> {
-        let n = std::mem::size_of_val(dst);
+    fn download(&self, src: &DevBuf, at: usize, dst: &mut [u8]) -> Result<(), CudaError> {
+        let n = dst.len();
         if at + n > src.len() {
             return Err(CudaError::Driver("download overruns its buffer".into()));
         }
-        // SAFETY: f32 has no invalid bit patterns; the byte length is the slice's own.
-        let bytes = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr() as *mut u8, n) };
         let view = src.mem.slice(at..at + n);
-        self.stream.memcpy_dtoh(&view, bytes).map_err(drv)?;
+        self.stream.memcpy_dtoh(&view, dst).map_err(drv)?;
         self.sync()
     }
 
-    /// Makes this GPU's context current on the calling thread (cuBLAS calls need it; the
-    /// engine steps on its own thread).
     fn bind(&self) -> Result<(), CudaError> {
         self.ctx.bind_to_thread().map_err(drv)
     }
@@ -274,7 +272,7 @@ impl DeviceOps for Gpu {
         let mut b = self.stream.launch_builder(&self.k.embed);
         b.arg(&table).arg(&code).arg(&ids).arg(&d32).arg(&out);
         // SAFETY: ids holds n valid row indices (checked on the host), out n·d f32.
-        unsafe { b.launch(rows(n, 256)) }.map_err(drv)?;
+        unsafe { b.launch(rows_cfg(n, 256)) }.map_err(drv)?;
         Ok(())
     }
 
@@ -302,7 +300,7 @@ impl DeviceOps for Gpu {
             .arg(&out)
             .arg(&code);
         // SAFETY: x holds the rows named, w d f32, out n·d elements.
-        unsafe { b.launch(rows(n, block)) }.map_err(drv)?;
+        unsafe { b.launch(rows_cfg(n, block)) }.map_err(drv)?;
         Ok(())
     }
 
@@ -371,7 +369,7 @@ impl DeviceOps for Gpu {
             .arg(&slots)
             .arg(&off);
         // SAFETY: slots (checked on the host against the store's size) address rows inside kc/vc.
-        unsafe { b.launch(rows(n, 128)) }.map_err(drv)?;
+        unsafe { b.launch(rows_cfg(n, 128)) }.map_err(drv)?;
         Ok(())
     }
 
@@ -427,6 +425,15 @@ impl DeviceOps for Gpu {
         // SAFETY: every row's table covers its positions and every block id is inside the
         // store (both checked on the host before the step).
         unsafe { b.launch(cfg) }.map_err(drv)?;
+        Ok(())
+    }
+
+    fn argmax_rows(&self, x: u64, rows: usize, n: usize, ids: u64) -> Result<(), CudaError> {
+        let n32 = n as i32;
+        let mut b = self.stream.launch_builder(&self.k.argmax_rows);
+        b.arg(&x).arg(&n32).arg(&ids);
+        // SAFETY: x holds rows·n f32, ids rows u32 (the caller's scratch buffers).
+        unsafe { b.launch(rows_cfg(rows, 1024)) }.map_err(drv)?;
         Ok(())
     }
 

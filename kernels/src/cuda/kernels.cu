@@ -247,6 +247,41 @@ attention(const float* q, const void* kc, const void* vc, int kv_kind, const u32
     }
 }
 
+// Greedy sampling on the device (grid: rows; block: a power of two up to 1024): ids[r] = the
+// first index of row r's maximum, as the CPU sampler's argmax — so a greedy step copies back one
+// id per sequence instead of a vocabulary of logits. NaN never wins (the CPU differs only when
+// element 0 is NaN); a row of -inf gives 0.
+KERNEL void argmax_rows(const float* x, int n, u32* ids) {
+    __shared__ float sv[1024];
+    __shared__ int si[1024];
+    const float* row = x + (i64)blockIdx.x * n;
+    int t = threadIdx.x;
+    float bv = NEG_INF;
+    int bi = 0x7fffffff;
+    for (int i = t; i < n; i += blockDim.x) {
+        float v = row[i];
+        if (v > bv) {  // strictly greater: a thread keeps the first of equal values it saw
+            bv = v;
+            bi = i;
+        }
+    }
+    sv[t] = bv;
+    si[t] = bi;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (t < s) {
+            float ov = sv[t + s];
+            int oi = si[t + s];
+            if (ov > sv[t] || (ov == sv[t] && oi < si[t])) {
+                sv[t] = ov;
+                si[t] = oi;
+            }
+        }
+        __syncthreads();
+    }
+    if (t == 0) ids[blockIdx.x] = si[0] == 0x7fffffff ? 0u : (u32)si[0];
+}
+
 // Device-memory read bandwidth probe: sums `n` floats (each thread a strided slice), so the
 // roofline is measured on the device in the same run as the decode it bounds.
 KERNEL void read_probe(const float4* p, i64 n4, float* sink) {
