@@ -1,0 +1,334 @@
+//! The emulator as a `DeviceOps` device: host memory, the emulated kernels, and cuBLAS's
+//! column-major GEMM semantics executed literally (f64 accumulation) from the same
+//! `GemmCall` the CUDA backend passes to cuBLAS. A model driven through it runs the CUDA
+//! backend's step code on the CPU.
+
+use thaw_kernels::device::{AttnDims, DeviceBuf, DeviceOps, Elem, GemmCall, Paging};
+
+/// Host memory standing in for a device allocation (8-byte aligned, zeroed).
+pub struct EmuBuf {
+    mem: Vec<u64>,
+    len: usize,
+}
+
+impl DeviceBuf for EmuBuf {
+    fn ptr(&self) -> u64 {
+        self.mem.as_ptr() as u64
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+#[derive(Debug)]
+pub struct EmuError(String);
+
+impl std::fmt::Display for EmuError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+impl std::error::Error for EmuError {}
+
+/// The emulated device.
+pub struct Emu;
+
+// Every emulated thread is an OS thread: blocks here are small (the kernels take any
+// multiple of 32 but attention's 128; `tests/cuda_emu.rs` covers the GPU's sizes) and
+// grid-stride kernels get few blocks.
+fn grid(n: usize) -> u32 {
+    n.div_ceil(64).clamp(1, 3) as u32
+}
+
+fn load(p: u64, i: usize, kind: Elem) -> f64 {
+    // SAFETY: callers pass addresses of emulator buffers holding element i.
+    unsafe {
+        match kind {
+            Elem::F32 => *(p as *const f32).add(i) as f64,
+            Elem::Bf16 => half::bf16::from_bits(*(p as *const u16).add(i)).to_f64(),
+            Elem::F16 => half::f16::from_bits(*(p as *const u16).add(i)).to_f64(),
+        }
+    }
+}
+
+impl DeviceOps for Emu {
+    type Buf = EmuBuf;
+    type Error = EmuError;
+
+    fn alloc(&self, bytes: usize) -> Result<EmuBuf, EmuError> {
+        Ok(EmuBuf {
+            mem: vec![0u64; bytes.div_ceil(8).max(1)],
+            len: bytes,
+        })
+    }
+    fn upload(&self, dst: &mut EmuBuf, at: usize, src: &[u8]) -> Result<(), EmuError> {
+        if at + src.len() > dst.len {
+            return Err(EmuError(format!(
+                "upload of {} at {at} overruns {}",
+                src.len(),
+                dst.len
+            )));
+        }
+        // SAFETY: bounds checked; the buffer is owned host memory.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                src.as_ptr(),
+                (dst.mem.as_mut_ptr() as *mut u8).add(at),
+                src.len(),
+            )
+        };
+        Ok(())
+    }
+    fn download(&self, src: &EmuBuf, at: usize, dst: &mut [u8]) -> Result<(), EmuError> {
+        let n = dst.len();
+        if at + n > src.len {
+            return Err(EmuError("download overruns its buffer".into()));
+        }
+        // SAFETY: bounds checked.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                (src.mem.as_ptr() as *const u8).add(at),
+                dst.as_mut_ptr(),
+                n,
+            )
+        };
+        Ok(())
+    }
+    fn bind(&self) -> Result<(), EmuError> {
+        Ok(())
+    }
+    fn sync(&self) -> Result<(), EmuError> {
+        Ok(())
+    }
+    fn widen(&self, src: u64, kind: Elem, dst: u64, n: usize) -> Result<(), EmuError> {
+        // SAFETY: addresses of emulator buffers sized by the caller.
+        unsafe {
+            super::thaw_emu_widen(
+                grid(n),
+                64,
+                src as *const u8,
+                kind.code(),
+                dst as *mut f32,
+                n as i64,
+            )
+        };
+        Ok(())
+    }
+    fn embed(
+        &self,
+        table: u64,
+        kind: Elem,
+        ids: u64,
+        n: usize,
+        d: usize,
+        out: u64,
+    ) -> Result<(), EmuError> {
+        // SAFETY: as above.
+        unsafe {
+            super::thaw_emu_embed(
+                n as u32,
+                32,
+                table as *const u8,
+                kind.code(),
+                ids as *const u32,
+                d as i32,
+                out as *mut f32,
+            )
+        };
+        Ok(())
+    }
+    fn rmsnorm(
+        &self,
+        x: u64,
+        rows_map: u64,
+        w: u64,
+        n: usize,
+        d: usize,
+        eps: f32,
+        out: u64,
+        out_kind: Elem,
+    ) -> Result<(), EmuError> {
+        // SAFETY: as above.
+        unsafe {
+            super::thaw_emu_rmsnorm(
+                n as u32,
+                64,
+                x as *const f32,
+                rows_map as *const u32,
+                w as *const f32,
+                d as i32,
+                eps,
+                out as *mut u8,
+                out_kind.code(),
+            )
+        };
+        Ok(())
+    }
+    fn add_bias(&self, x: u64, bias: u64, d: usize, n: usize) -> Result<(), EmuError> {
+        // SAFETY: as above.
+        unsafe {
+            super::thaw_emu_add_bias(
+                grid(n),
+                64,
+                x as *mut f32,
+                bias as *const f32,
+                d as i32,
+                n as i64,
+            )
+        };
+        Ok(())
+    }
+    fn silu_mul(&self, g: u64, u: u64, out: u64, out_kind: Elem, n: usize) -> Result<(), EmuError> {
+        // SAFETY: as above.
+        unsafe {
+            super::thaw_emu_silu_mul(
+                grid(n),
+                64,
+                g as *const f32,
+                u as *const f32,
+                out as *mut u8,
+                out_kind.code(),
+                n as i64,
+            )
+        };
+        Ok(())
+    }
+    fn rope_store(
+        &self,
+        q: u64,
+        k: u64,
+        v: u64,
+        cos: u64,
+        sin: u64,
+        n: usize,
+        s: AttnDims,
+        kc: u64,
+        vc: u64,
+        kv_kind: Elem,
+        slots: u64,
+        layer_off: usize,
+    ) -> Result<(), EmuError> {
+        // SAFETY: as above.
+        unsafe {
+            super::thaw_emu_rope_store(
+                n as u32,
+                32,
+                q as *mut f32,
+                k as *const f32,
+                v as *const f32,
+                cos as *const f32,
+                sin as *const f32,
+                s.n_heads as i32,
+                s.n_kv_heads as i32,
+                s.head_dim as i32,
+                kc as *mut u8,
+                vc as *mut u8,
+                kv_kind.code(),
+                slots as *const i64,
+                layer_off as i64,
+            )
+        };
+        Ok(())
+    }
+    fn attention(
+        &self,
+        q: u64,
+        kc: u64,
+        vc: u64,
+        kv_kind: Elem,
+        p: Paging,
+        n: usize,
+        s: AttnDims,
+        out: u64,
+        out_kind: Elem,
+    ) -> Result<(), EmuError> {
+        s.check().map_err(EmuError)?;
+        // SAFETY: as above.
+        unsafe {
+            super::thaw_emu_attention(
+                n as u32,
+                s.n_kv_heads as u32,
+                q as *const f32,
+                kc as *const u8,
+                vc as *const u8,
+                kv_kind.code(),
+                p.pos as *const u32,
+                p.table_off as *const u32,
+                p.tables as *const u32,
+                p.block_size as i32,
+                p.block_stride as i64,
+                p.layer_off as i64,
+                s.n_heads as i32,
+                s.n_kv_heads as i32,
+                s.head_dim as i32,
+                1.0 / (s.head_dim as f32).sqrt(),
+                out as *mut u8,
+                out_kind.code(),
+            )
+        };
+        Ok(())
+    }
+    fn argmax_rows(&self, x: u64, rows: usize, n: usize, ids: u64) -> Result<(), EmuError> {
+        // SAFETY: x holds rows·n f32, ids rows u32 (the caller's buffers).
+        unsafe {
+            super::thaw_emu_argmax_rows(rows as u32, 64, x as *const f32, n as i32, ids as *mut u32)
+        };
+        Ok(())
+    }
+    fn gemm(
+        &self,
+        w: u64,
+        w_kind: Elem,
+        out_dim: usize,
+        in_dim: usize,
+        x: u64,
+        n: usize,
+        y: u64,
+        beta: f32,
+    ) -> Result<(), EmuError> {
+        let c = GemmCall::linear(out_dim, in_dim, n);
+        // cuBLAS's definition, literally: A and B in `w_kind`, C f32.
+        let a = |i: usize, l: usize| {
+            load(
+                w,
+                if c.transa {
+                    l + i * c.lda
+                } else {
+                    i + l * c.lda
+                },
+                w_kind,
+            )
+        };
+        let b = |l: usize, j: usize| {
+            load(
+                x,
+                if c.transb {
+                    j + l * c.ldb
+                } else {
+                    l + j * c.ldb
+                },
+                w_kind,
+            )
+        };
+        for j in 0..c.n {
+            for i in 0..c.m {
+                let mut acc = 0f64;
+                for l in 0..c.k {
+                    acc += a(i, l) * b(l, j);
+                }
+                // SAFETY: C holds ldc·n f32 (the caller's output buffer).
+                unsafe {
+                    let p = (y as *mut f32).add(i + j * c.ldc);
+                    // As cuBLAS: with beta = 0, C is written, never read.
+                    let old = if beta == 0.0 {
+                        0.0
+                    } else {
+                        beta as f64 * *p as f64
+                    };
+                    *p = (acc + old) as f32;
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,194 @@
+//! Bringing a device model up: the CUDA load (pinned staging ring straight into device memory),
+//! the simple whole-file load (the emulator's, and a reference), and assembling the tensor
+//! addresses, widened norms and KV policy both share.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use thaw_kernels::device::{AttnDims, DeviceBuf, DeviceOps, Elem};
+use thaw_loader::{Checkpoint, Dtype, LoadStats, TensorEntry};
+
+#[cfg(feature = "cuda")]
+use super::ptx_cache_dir;
+use super::{dev_err, elem, DevLayer, DeviceLlama, DeviceLoadPhases, Mat};
+use crate::model::{inv_freq, Tensors};
+use crate::{KvDtype, ModelConfig, RuntimeError};
+
+#[cfg(feature = "cuda")]
+impl DeviceLlama<thaw_kernels::cuda::Gpu> {
+    /// Opens GPU `ordinal`, checks `dir`'s config and tensors, streams the weights to the device
+    /// (pinned staging ring: reads overlap host → device copies).
+    pub fn load(
+        dir: &Path,
+        opts: &thaw_loader::LoadOptions,
+        ordinal: usize,
+    ) -> Result<Self, RuntimeError> {
+        use thaw_kernels::cuda::{DevBuf, Gpu};
+        let (cfg, ck, t) = open(dir)?;
+        let gpu = Arc::new(Gpu::open(ordinal, ptx_cache_dir().as_deref()).map_err(dev_err)?);
+        let loaded = thaw_loader::cuda::load_to_device(&ck, opts, &gpu.ctx, 8)
+            .map_err(RuntimeError::from)?;
+        let offsets: Vec<u64> = loaded.plan.shards.iter().map(|s| s.data_offset()).collect();
+        let shards: Vec<DevBuf> = loaded
+            .shards
+            .into_iter()
+            .map(|m| DevBuf::new(m, &gpu.stream))
+            .collect();
+        let init = gpu.init.clone();
+        let phases = DeviceLoadPhases {
+            context_s: init.context_s,
+            compile_s: init.compile_s,
+            compile_cache_hit: init.compile_cache_hit,
+            module_s: init.module_s,
+            alloc_s: loaded.alloc_s,
+            copy_s: loaded.copy_s,
+            widen_s: 0.0,
+        };
+        Self::assemble(gpu, cfg, t, shards, &offsets, loaded.stats, phases)
+    }
+
+    pub fn gpu(&self) -> &thaw_kernels::cuda::Gpu {
+        &self.dev
+    }
+}
+
+/// Config, checkpoint and tensor map of `dir`, checked, plus the attention shape check.
+fn open(dir: &Path) -> Result<(ModelConfig, Checkpoint, Tensors), RuntimeError> {
+    let cfg = ModelConfig::load(dir)?;
+    let ck = Checkpoint::open(dir)?;
+    let t = Tensors::find(&cfg, &ck)?;
+    AttnDims {
+        n_heads: cfg.num_attention_heads,
+        n_kv_heads: cfg.n_kv_heads(),
+        head_dim: cfg.head_dim(),
+    }
+    .check()
+    .map_err(dev_err)?;
+    Ok((cfg, ck, t))
+}
+
+impl<D: DeviceOps> DeviceLlama<D> {
+    /// Loads `dir` onto `dev` the simple way: each shard file read whole, then uploaded (no
+    /// pipelining — the emulator's loader, and a reference for the streaming one).
+    pub fn load_simple(dev: Arc<D>, dir: &Path) -> Result<Self, RuntimeError> {
+        let t0 = Instant::now();
+        let (cfg, ck, t) = open(dir)?;
+        let mut shards = Vec::with_capacity(ck.shards.len());
+        let mut offsets = Vec::with_capacity(ck.shards.len());
+        let mut bytes = 0u64;
+        for sh in &ck.shards {
+            let data = std::fs::read(&sh.path).map_err(|e| RuntimeError::io(&sh.path, e))?;
+            if (data.len() as u64) < sh.data_start + sh.data_len {
+                return Err(RuntimeError::Config(format!(
+                    "{}: truncated ({} bytes, the header needs {})",
+                    sh.path.display(),
+                    data.len(),
+                    sh.data_start + sh.data_len
+                )));
+            }
+            let mut b = dev.alloc(data.len()).map_err(dev_err)?;
+            dev.upload(&mut b, 0, &data).map_err(dev_err)?;
+            bytes += sh.data_len;
+            shards.push(b);
+            offsets.push(sh.data_start);
+        }
+        let stats = LoadStats {
+            strategy: "simple".into(),
+            bytes,
+            total_s: t0.elapsed().as_secs_f64(),
+            ..LoadStats::default()
+        };
+        Self::assemble(
+            dev,
+            cfg,
+            t,
+            shards,
+            &offsets,
+            stats,
+            DeviceLoadPhases::default(),
+        )
+    }
+
+    /// Builds the model over shards already in device memory: shard `s`'s data section starts
+    /// at byte `offsets[s]` of `shards[s]`.
+    fn assemble(
+        dev: Arc<D>,
+        cfg: ModelConfig,
+        t: Tensors,
+        shards: Vec<D::Buf>,
+        offsets: &[u64],
+        stats: LoadStats,
+        mut phases: DeviceLoadPhases,
+    ) -> Result<Self, RuntimeError> {
+        let addr = |e: &TensorEntry| -> Result<u64, RuntimeError> {
+            let a = shards[e.shard].ptr() + offsets[e.shard] + e.info.begin;
+            let align = if e.info.dtype == Dtype::F32 { 4 } else { 2 };
+            if !a.is_multiple_of(align) {
+                return Err(RuntimeError::Config(format!(
+                    "tensor '{}' is not aligned to its {} element size",
+                    e.info.name, e.info.dtype
+                )));
+            }
+            Ok(a)
+        };
+        let mat = |e: &TensorEntry| -> Result<Mat, RuntimeError> {
+            Ok(Mat {
+                ptr: addr(e)?,
+                rows: e.info.shape[0],
+                cols: e.info.shape[1],
+                kind: elem(e.info.dtype),
+            })
+        };
+        let tw = Instant::now();
+        let widen = |e: &TensorEntry| -> Result<D::Buf, RuntimeError> {
+            let n = e.info.shape.iter().product::<usize>();
+            let out = dev.alloc(n * 4).map_err(dev_err)?;
+            dev.widen(addr(e)?, elem(e.info.dtype), out.ptr(), n)
+                .map_err(dev_err)?;
+            Ok(out)
+        };
+        let mut layers = Vec::with_capacity(t.layers.len());
+        for l in &t.layers {
+            layers.push(DevLayer {
+                attn_norm: widen(&l.attn_norm)?,
+                mlp_norm: widen(&l.mlp_norm)?,
+                q: mat(&l.q)?,
+                k: mat(&l.k)?,
+                v: mat(&l.v)?,
+                o: mat(&l.o)?,
+                gate: mat(&l.gate)?,
+                up: mat(&l.up)?,
+                down: mat(&l.down)?,
+                q_bias: l.q_bias.as_ref().map(widen).transpose()?,
+                k_bias: l.k_bias.as_ref().map(widen).transpose()?,
+                v_bias: l.v_bias.as_ref().map(widen).transpose()?,
+            });
+        }
+        let norm = widen(&t.norm)?;
+        dev.sync().map_err(dev_err)?;
+        phases.widen_s = tw.elapsed().as_secs_f64();
+        let embed = mat(&t.embed)?;
+        let lm_head = mat(&t.lm_head)?;
+        // The CPU's policy (bf16 KV with bf16 weights; THAW_KV_DTYPE overrides), one place.
+        let kv_kind = match crate::model::kv_dtype_for(t.embed.info.dtype) {
+            KvDtype::F32 => Elem::F32,
+            KvDtype::Bf16 => Elem::Bf16,
+        };
+        Ok(DeviceLlama {
+            inv_freq: inv_freq(&cfg),
+            cfg,
+            _shards: shards,
+            act: embed.kind,
+            embed,
+            lm_head,
+            norm,
+            layers,
+            kv_kind,
+            scratch: Mutex::new(None),
+            stats,
+            phases,
+            dev,
+        })
+    }
+}
