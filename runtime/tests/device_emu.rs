@@ -18,7 +18,11 @@ use thaw_runtime::{
 
 /// A tiny random Llama/Qwen2 checkpoint: 2 layers, 4 query heads over 2 KV heads of 16.
 fn tiny(dir: &Path, dtype: &str, qwen: bool) {
-    let (h, ffn, vocab, layers, heads, kv) = (64usize, 128usize, 300usize, 2usize, 4usize, 2usize);
+    tiny_shaped(dir, dtype, qwen, 64, 4, 2);
+}
+
+fn tiny_shaped(dir: &Path, dtype: &str, qwen: bool, h: usize, heads: usize, kv: usize) {
+    let (ffn, vocab, layers) = (128usize, 300usize, 2usize);
     let hd = h / heads;
     let cfg = json!({
         "architectures": [if qwen { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" }],
@@ -232,4 +236,76 @@ fn device_model_generates_the_cpu_models_tokens_on_smollm2() {
         a.output_ids, a.text, b.output_ids
     );
     assert_eq!(a.output_ids, b.output_ids);
+}
+
+/// Bad inputs to the device model are clear errors before any device work: a head shape the
+/// attention kernel cannot hold, a truncated shard, a token outside the vocabulary, a block
+/// table naming a block the store lacks.
+#[test]
+fn device_model_refuses_bad_input_with_reasons() {
+    let d = tempfile::tempdir().unwrap();
+    tiny_shaped(d.path(), "F32", false, 320, 2, 1); // head_dim 160
+    let e = DeviceLlama::load_simple(Arc::new(Emu), d.path())
+        .err()
+        .expect("head_dim 160 must be refused")
+        .to_string();
+    assert!(e.contains("head_dim up to 128"), "{e}");
+
+    let d = tempfile::tempdir().unwrap();
+    tiny(d.path(), "F32", false);
+    let m = DeviceLlama::load_simple(Arc::new(Emu), d.path()).unwrap();
+    let mut kv = m.new_kv(16, 4).unwrap();
+    let table = [0u32, 1];
+    let e = m
+        .forward_batch(
+            &[SeqChunk {
+                tokens: &[5, 300],
+                start: 0,
+                table: &table,
+            }],
+            &mut kv,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("outside the vocabulary"), "{e}");
+    let bad = [0u32, 9];
+    let e = m
+        .forward_batch(
+            &[SeqChunk {
+                tokens: &[5; 20],
+                start: 0,
+                table: &bad,
+            }],
+            &mut kv,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("cannot hold"), "{e}");
+    // The store still works after refused steps.
+    let ok = m.forward_batch(
+        &[SeqChunk {
+            tokens: &[5, 6],
+            start: 0,
+            table: &table,
+        }],
+        &mut kv,
+    );
+    assert_eq!(ok.unwrap().len(), m.config().vocab_size);
+
+    let f = d.path().join("model.safetensors");
+    let len = std::fs::metadata(&f).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&f)
+        .unwrap()
+        .set_len(len - 100)
+        .unwrap();
+    let e = DeviceLlama::load_simple(Arc::new(Emu), d.path())
+        .err()
+        .expect("a truncated shard must be refused")
+        .to_string();
+    assert!(
+        e.contains("model.safetensors") && e.contains("truncated"),
+        "{e}"
+    );
 }
