@@ -32,6 +32,12 @@ for line in sys.stdin:
         shutil.copy(m["executable"], sys.argv[1] + "/test-" + m["package_id"].split("#")[0].split("/")[-1].split("@")[0] + "-" + name)
 ' "$dist"
     strip "$dist"/thaw "$dist"/bench-coldstart "$dist"/test-*
+    # The kernels' PTX for Hopper and Ampere, compiled here with the test venv's NVRTC, so the
+    # GPU host needs no libnvrtc (it still recompiles if its driver refuses this PTX).
+    nvrtc_lib="$("${THAW_HOME:-$HOME/.cache/thaw}/venv/bin/python" -c 'import os, nvidia.cuda_nvrtc as n; print(os.path.join(os.path.dirname(n.__file__), "lib"))' 2>/dev/null || true)"
+    LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+        target/release/thaw kernels --arch 9.0,8.0 --out "$dist/ptx" ||
+        echo "no NVRTC here (run scripts/setup-test-deps.sh): the GPU host will compile the kernels itself"
     # SmolLM2's tokenizer (2 MB), so a `thaw serve --device cuda` on the SmolLM2-shaped synthetic
     # checkpoint answers real HTTP requests there (the weights are random: the text is noise).
     model=$(target/release/thaw model fetch | tail -1)
@@ -71,6 +77,8 @@ for lib in nvrtc cublas cublasLt; do
 done
 export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export THAW_HOME="$out/home"
+mkdir -p "$THAW_HOME/ptx"
+cp "$dist"/ptx/*.ptx "$THAW_HOME/ptx/" 2>/dev/null || true
 
 status=0
 echo "== GPU tests"

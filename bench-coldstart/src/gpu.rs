@@ -282,7 +282,8 @@ pub fn run(a: GpuArgs) -> Result<()> {
             .push(json!({"stage": what, "error": format!("{e:#}")}));
     };
     let floors = guard(|| -> Result<(Value, f64, f64)> {
-        let gpu = Gpu::open(a.device, None).context("opening the GPU")?;
+        let cache = thaw_runtime::device_model::ptx_cache_dir();
+        let gpu = Gpu::open(a.device, cache.as_deref()).context("opening the GPU")?;
         let info = gpu.info.clone();
         println!(
             "device: {} (sm_{}{}, {} GiB)",
@@ -302,6 +303,7 @@ pub fn run(a: GpuArgs) -> Result<()> {
         let dev = json!({"name": info.name, "compute_capability": [info.compute_capability.0,
                          info.compute_capability.1], "total_mem": info.total_mem,
                          "init_s": {"context": gpu.init.context_s, "compile": gpu.init.compile_s,
+                                    "compile_cache_hit": gpu.init.compile_cache_hit,
                                     "module_load": gpu.init.module_s}});
         Ok((dev, h2d, read_bw))
     });

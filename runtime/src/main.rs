@@ -66,6 +66,17 @@ enum Cmd {
         #[arg(long, default_value = "8MiB", value_parser = parse_size)]
         chunk_size: u64,
     },
+    /// Compile the CUDA kernels (NVRTC, no GPU needed) into the PTX cache, e.g. while building
+    /// an image, so a cold start on a GPU skips the compile (and needs no libnvrtc).
+    #[cfg(feature = "cuda")]
+    Kernels {
+        /// Compute capabilities, e.g. 9.0 (H100/H200), 8.0 (A100), 8.9 (L4).
+        #[arg(long, value_delimiter = ',', default_value = "9.0,8.0")]
+        arch: Vec<String>,
+        /// Cache directory (default: $THAW_HOME/ptx, where `serve --device cuda` looks).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
 }
 
 #[derive(clap::Args, Clone)]
@@ -339,6 +350,29 @@ fn run(cli: Cli) -> Result<()> {
                 load: a.load.options(),
                 device,
             })?;
+        }
+        #[cfg(feature = "cuda")]
+        Cmd::Kernels { arch, out } => {
+            let dir = out
+                .or_else(thaw_runtime::device_model::ptx_cache_dir)
+                .context("no cache directory")?;
+            for a in &arch {
+                let (major, minor) = a
+                    .split_once('.')
+                    .and_then(|(x, y)| Some((x.parse::<i32>().ok()?, y.parse::<i32>().ok()?)))
+                    .with_context(|| format!("--arch '{a}': expected MAJOR.MINOR, e.g. 9.0"))?;
+                let p = thaw_kernels::cuda::compile::compile_cached((major, minor), Some(&dir))?;
+                eprintln!(
+                    "sm_{major}{minor}: {} in {:.0} ms → {}",
+                    if p.cache_hit {
+                        "already cached"
+                    } else {
+                        "compiled"
+                    },
+                    p.seconds * 1e3,
+                    dir.display()
+                );
+            }
         }
         Cmd::Manifest { dir, chunk_size } => {
             let ck = Checkpoint::open(&dir)?;
