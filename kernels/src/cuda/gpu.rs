@@ -229,7 +229,7 @@ impl DeviceOps for Gpu {
         self.stream.memcpy_htod(bytes, &mut view).map_err(drv)
     }
 
-    /// Copies `dst.len()` f32s from device address `src` (after everything queued before it).
+    /// Copies `dst.len()` bytes from `src` at byte offset `at`, after everything queued before.
     fn download(&self, src: &DevBuf, at: usize, dst: &mut [u8]) -> Result<(), CudaError> {
         let n = dst.len();
         if at + n > src.len() {
