@@ -171,6 +171,31 @@ fn check(dir: &PathBuf, device: usize) -> Result<Value> {
     }))
 }
 
+/// Prefill tokens/s of one `len`-token prompt (best of 3, after one untimed pass).
+fn prefill_rate(m: &CudaLlama, len: usize) -> Result<f64> {
+    let vocab = m.cfg.vocab_size;
+    let blocks = len.div_ceil(16);
+    let mut kv = m.new_kv(16, blocks)?;
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    let p = prompt(vocab, len, 9);
+    let mut best = 0f64;
+    for i in 0..4 {
+        let t = Instant::now();
+        m.forward_batch(
+            &[SeqChunk {
+                tokens: &p,
+                start: 0,
+                table: &table,
+            }],
+            &mut kv,
+        )?;
+        if i > 0 {
+            best = best.max(len as f64 / t.elapsed().as_secs_f64());
+        }
+    }
+    Ok(best)
+}
+
 fn decode_rate(m: &CudaLlama, batch: usize, steps: usize) -> Result<f64> {
     let vocab = m.cfg.vocab_size;
     let per_seq = (32 + steps + 1).div_ceil(16);
@@ -237,8 +262,21 @@ fn big_model(dir: &PathBuf, a: &GpuArgs, h2d: f64, read_bw: f64) -> Result<Value
                         "fraction_of_roofline": r / roof}),
         );
     }
+    // Prefill attention A/B in one run: the flash-style tiled kernel vs the per-row kernel.
+    let mut pre = vec![];
+    for tiled in [true, false] {
+        m.set_tiled_prefill(tiled);
+        let r = prefill_rate(&m, 512)?;
+        println!(
+            "prefill 512 tokens: {r:.0} tokens/s ({} attention)",
+            if tiled { "tiled" } else { "per-row" }
+        );
+        pre.push(json!({"tiled_attention": tiled, "tokens": 512, "tokens_per_s": r}));
+    }
+    m.set_tiled_prefill(true);
     Ok(json!({
         "model": dir, "bytes": st.bytes, "load_s": st.total_s, "load_gb_per_s": load_gbs,
+        "prefill": pre,
         "fraction_of_pinned_h2d": load_gbs * 1e9 / h2d, "strategy": st.strategy,
         "phases_s": {"device_init": p.context_s, "compile": p.compile_s,
                      "compile_cache_hit": p.compile_cache_hit, "module_load": p.module_s,

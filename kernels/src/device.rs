@@ -62,6 +62,8 @@ impl AttnDims {
 /// per-row offset into the flattened block tables, the tables; and the store's layout.
 #[derive(Debug, Clone, Copy)]
 pub struct Paging {
+    /// Rows the per-row kernel serves, as indices (0: every row, in order).
+    pub rows: u64,
     pub pos: u64,
     pub table_off: u64,
     pub tables: u64,
@@ -69,6 +71,18 @@ pub struct Paging {
     pub block_stride: usize,
     pub layer_off: usize,
 }
+
+/// Query tiles for [`DeviceOps::attention_prefill`]: tile `t` is `count[t]` (at most
+/// [`PREFILL_TILE`]) consecutive rows of one sequence starting at row `row0[t]`.
+#[derive(Debug, Clone, Copy)]
+pub struct Tiles {
+    pub row0: u64,
+    pub count: u64,
+    pub n: usize,
+}
+
+/// Query rows per prefill tile (one warp each).
+pub const PREFILL_TILE: usize = 4;
 
 /// A column-major GEMM call (cuBLAS's convention): `C[m×n] = op(A)·op(B) + beta·C` with
 /// `op(A)[i][l] = A[l + i·lda]` when `transa` (else `A[i + l·lda]`), likewise for B, and
@@ -195,6 +209,21 @@ pub trait DeviceOps: Send + Sync + 'static {
         kv_kind: Elem,
         paging: Paging,
         n: usize,
+        shape: AttnDims,
+        out: u64,
+        out_kind: Elem,
+    ) -> Result<(), Self::Error>;
+    /// Causal attention for tiles of consecutive prefill rows, keys and values staged on chip
+    /// and shared by a tile's rows (flash-style).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_prefill(
+        &self,
+        q: u64,
+        kc: u64,
+        vc: u64,
+        kv_kind: Elem,
+        tiles: Tiles,
+        paging: Paging,
         shape: AttnDims,
         out: u64,
         out_kind: Elem,

@@ -269,6 +269,20 @@ fn cases() -> Vec<Case> {
             blocks: 10,
             seqs: vec![(vec![9, 8, 7, 6, 5], vec![33]), (vec![0], vec![0, 3])],
         },
+        // Prefill chunks: long runs of consecutive rows crossing key tiles of 32, a chunk in
+        // the middle of a sequence, and a lone decode row.
+        Case {
+            h: smol,
+            block_size: 16,
+            layers: 2,
+            layer: 1,
+            blocks: 16,
+            seqs: vec![
+                (vec![3, 9, 0, 14, 5], (0..37).collect()),
+                (vec![7, 1, 12], (30..35).collect()),
+                (vec![15], vec![9]),
+            ],
+        },
     ]
 }
 
@@ -435,6 +449,46 @@ fn rope_store_and_paged_attention_match_the_cpu() {
                 &want,
                 2e-5,
                 &format!("attention {:?} {kind:?}", c.h),
+            );
+            // The flash-style prefill kernel over tiles of up to 4 consecutive rows of one
+            // sequence (every row in some tile): the same outputs.
+            let mut tiles: Vec<(u32, u32)> = vec![];
+            for r in 0..n as u32 {
+                match tiles.last_mut() {
+                    Some((r0, cnt))
+                        if *cnt < 4
+                            && toff[r as usize] == toff[*r0 as usize]
+                            && pos[r as usize] == pos[*r0 as usize] + *cnt =>
+                    {
+                        *cnt += 1
+                    }
+                    _ => tiles.push((r, 1)),
+                }
+            }
+            let mut flash = vec![0u8; n * nh * hd * 4];
+            emu::attention_prefill(
+                &q,
+                &kc,
+                &vc,
+                kind,
+                &tiles,
+                &pos,
+                &toff,
+                &tables,
+                emu::Paging {
+                    block_size: c.block_size,
+                    block_stride: c.stride(),
+                    layer_off: c.layer_off(),
+                },
+                c.h,
+                &mut flash,
+                emu::Kind::F32,
+            );
+            assert_close(
+                &f32s(&flash),
+                &want,
+                2e-5,
+                &format!("prefill attention {:?} {kind:?}", c.h),
             );
         }
     }

@@ -123,7 +123,15 @@ pub struct StepPlan {
     /// RoPE angles per row, `[rows, head_dim / 2]` each (f64 angles rounded once, as the CPU).
     pub cos: Vec<f32>,
     pub sin: Vec<f32>,
+    /// Rows of one-token chunks (decodes), for the per-row attention kernel.
+    pub decode_rows: Vec<u32>,
+    /// Prefill tiles: up to [`PREFILL_TILE`] consecutive rows of one multi-token chunk, from
+    /// row `tile_row0[t]`, `tile_rows[t]` of them (the flash-style prefill kernel).
+    pub tile_row0: Vec<u32>,
+    pub tile_rows: Vec<u32>,
 }
+
+pub use thaw_kernels::device::PREFILL_TILE;
 
 impl StepPlan {
     /// Builds the plan of a validated step (see [`validate`]).
@@ -138,6 +146,16 @@ impl StepPlan {
         for sq in seqs {
             let off = p.tables.len() as u32;
             p.tables.extend_from_slice(sq.table);
+            let first = p.tokens.len() as u32;
+            if sq.tokens.len() == 1 {
+                p.decode_rows.push(first);
+            } else {
+                for t0 in (0..sq.tokens.len()).step_by(PREFILL_TILE) {
+                    p.tile_row0.push(first + t0 as u32);
+                    p.tile_rows
+                        .push((sq.tokens.len() - t0).min(PREFILL_TILE) as u32);
+                }
+            }
             for (j, &t) in sq.tokens.iter().enumerate() {
                 let pos = sq.start + j;
                 p.tokens.push(t);
@@ -180,6 +198,9 @@ pub struct MetaOffsets {
     pub picked: u64,
     pub cos: u64,
     pub sin: u64,
+    pub decode_rows: u64,
+    pub tile_row0: u64,
+    pub tile_rows: u64,
 }
 
 impl StepPlan {
@@ -207,6 +228,9 @@ impl StepPlan {
             picked: put(&mut out, &p.picked),
             cos: put(&mut out, &p.cos),
             sin: put(&mut out, &p.sin),
+            decode_rows: put(&mut out, &p.decode_rows),
+            tile_row0: put(&mut out, &p.tile_row0),
+            tile_rows: put(&mut out, &p.tile_rows),
         };
         (out, at)
     }
@@ -282,6 +306,41 @@ mod tests {
             assert_eq!(&p.cos[r * hd / 2..(r + 1) * hd / 2], &cs[..]);
             assert_eq!(&p.sin[r * hd / 2..(r + 1) * hd / 2], &sn[..]);
         }
+        // Every row is a decode row or in exactly one tile; tiles are runs of at most
+        // PREFILL_TILE consecutive rows of one chunk.
+        let mut seen = vec![0u32; p.rows()];
+        for &r in &p.decode_rows {
+            seen[r as usize] += 1;
+        }
+        for (&r0, &n) in p.tile_row0.iter().zip(&p.tile_rows) {
+            assert!((1..=PREFILL_TILE as u32).contains(&n));
+            for r in r0..r0 + n {
+                seen[r as usize] += 1;
+                assert_eq!(p.table_off[r as usize], p.table_off[r0 as usize]);
+                assert_eq!(p.pos[r as usize], p.pos[r0 as usize] + (r - r0));
+            }
+        }
+        assert!(seen.iter().all(|&c| c == 1), "{seen:?}");
+        assert_eq!(p.tile_rows, vec![4, 1, 3]);
+        let one: Vec<u32> = vec![7];
+        let solo = StepPlan::build(
+            &[
+                SeqChunk {
+                    tokens: &one,
+                    start: 3,
+                    table: &t1,
+                },
+                seqs[1],
+            ],
+            layout,
+            &inv,
+            false,
+        );
+        assert_eq!(solo.decode_rows, vec![0]);
+        assert_eq!(
+            (solo.tile_row0.clone(), solo.tile_rows.clone()),
+            (vec![1], vec![3])
+        );
         let all = StepPlan::build(&seqs, layout, &inv, true);
         assert_eq!(all.picked, (0..8).collect::<Vec<u32>>());
         // Every slot of every row lies inside the store.
@@ -328,6 +387,9 @@ mod tests {
             picked: vec![2],
             cos: vec![0.5; 6],
             sin: vec![-0.25; 6],
+            decode_rows: vec![1],
+            tile_row0: vec![0, 2],
+            tile_rows: vec![1, 1],
         };
         let (b, at) = p.pack();
         let u32s = |off: u64, n: usize| -> Vec<u32> {
@@ -356,6 +418,9 @@ mod tests {
         assert_eq!(slot2, 1 << 40);
         let sin0 = f32::from_le_bytes(b[at.sin as usize..][..4].try_into().unwrap());
         assert_eq!(sin0, -0.25);
-        assert_eq!(b.len() as u64, at.sin + 24);
+        assert_eq!(u32s(at.decode_rows, 1), p.decode_rows);
+        assert_eq!(u32s(at.tile_row0, 2), p.tile_row0);
+        assert_eq!(u32s(at.tile_rows, 2), p.tile_rows);
+        assert_eq!(b.len() as u64, at.tile_rows + 8);
     }
 }

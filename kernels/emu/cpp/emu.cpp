@@ -100,12 +100,24 @@ void thaw_emu_argmax_rows(unsigned rows, unsigned block, const float* x, int n, 
     launch(rows, 1, block, [=] { argmax_rows(x, n, ids); });
 }
 void thaw_emu_attention(unsigned rows, unsigned kv_heads, const float* q, const void* kc,
-                        const void* vc, int kv_kind, const u32* pos, const u32* table_off,
-                        const u32* tables, int block_size, i64 block_stride, i64 layer_off,
-                        int n_heads, int n_kv, int hd, float scale, void* out, int out_kind) {
+                        const void* vc, int kv_kind, const u32* rows_map, const u32* pos,
+                        const u32* table_off, const u32* tables, int block_size, i64 block_stride,
+                        i64 layer_off, int n_heads, int n_kv, int hd, float scale, void* out,
+                        int out_kind) {
     launch(rows, kv_heads, ATT_WARPS * 32, [=] {
-        attention(q, kc, vc, kv_kind, pos, table_off, tables, block_size, block_stride,
+        attention(q, kc, vc, kv_kind, rows_map, pos, table_off, tables, block_size, block_stride,
                   layer_off, n_heads, n_kv, hd, scale, out, out_kind);
     });
 }
-}
+void thaw_emu_attention_prefill(unsigned tiles, unsigned kv_heads, const float* q, const void* kc,
+                                const void* vc, int kv_kind, const u32* tile_row0,
+                                const u32* tile_rows, const u32* pos, const u32* table_off,
+                                const u32* tables, int block_size, i64 block_stride,
+                                i64 layer_off, int n_heads, int n_kv, int hd, float scale,
+                                void* out, int out_kind) {
+    launch(tiles, kv_heads, ATT_WARPS * 32, [=] {
+        attention_prefill(q, kc, vc, kv_kind, tile_row0, tile_rows, pos, table_off, tables,
+                          block_size, block_stride, layer_off, n_heads, n_kv, hd, scale, out,
+                          out_kind);
+    });
+}}

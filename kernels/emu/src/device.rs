@@ -3,7 +3,7 @@
 //! `GemmCall` the CUDA backend passes to cuBLAS. A model driven through it runs the CUDA
 //! backend's step code on the CPU.
 
-use thaw_kernels::device::{AttnDims, DeviceBuf, DeviceOps, Elem, GemmCall, Paging};
+use thaw_kernels::device::{AttnDims, DeviceBuf, DeviceOps, Elem, GemmCall, Paging, Tiles};
 
 /// Host memory standing in for a device allocation (8-byte aligned, zeroed).
 pub struct EmuBuf {
@@ -252,6 +252,47 @@ impl DeviceOps for Emu {
                 kc as *const u8,
                 vc as *const u8,
                 kv_kind.code(),
+                p.rows as *const u32,
+                p.pos as *const u32,
+                p.table_off as *const u32,
+                p.tables as *const u32,
+                p.block_size as i32,
+                p.block_stride as i64,
+                p.layer_off as i64,
+                s.n_heads as i32,
+                s.n_kv_heads as i32,
+                s.head_dim as i32,
+                1.0 / (s.head_dim as f32).sqrt(),
+                out as *mut u8,
+                out_kind.code(),
+            )
+        };
+        Ok(())
+    }
+    fn attention_prefill(
+        &self,
+        q: u64,
+        kc: u64,
+        vc: u64,
+        kv_kind: Elem,
+        t: Tiles,
+        p: Paging,
+        s: AttnDims,
+        out: u64,
+        out_kind: Elem,
+    ) -> Result<(), EmuError> {
+        s.check().map_err(EmuError)?;
+        // SAFETY: as above.
+        unsafe {
+            super::thaw_emu_attention_prefill(
+                t.n as u32,
+                s.n_kv_heads as u32,
+                q as *const f32,
+                kc as *const u8,
+                vc as *const u8,
+                kv_kind.code(),
+                t.row0 as *const u32,
+                t.count as *const u32,
                 p.pos as *const u32,
                 p.table_off as *const u32,
                 p.tables as *const u32,

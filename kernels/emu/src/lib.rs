@@ -85,6 +85,29 @@ extern "C" {
         kc: *const u8,
         vc: *const u8,
         kv_kind: i32,
+        rows_map: *const u32,
+        pos: *const u32,
+        table_off: *const u32,
+        tables: *const u32,
+        block_size: i32,
+        block_stride: I64,
+        layer_off: I64,
+        n_heads: i32,
+        n_kv: i32,
+        hd: i32,
+        scale: f32,
+        out: *mut u8,
+        out_kind: i32,
+    );
+    fn thaw_emu_attention_prefill(
+        tiles: u32,
+        kv_heads: u32,
+        q: *const f32,
+        kc: *const u8,
+        vc: *const u8,
+        kv_kind: i32,
+        tile_row0: *const u32,
+        tile_rows: *const u32,
         pos: *const u32,
         table_off: *const u32,
         tables: *const u32,
@@ -315,6 +338,72 @@ pub fn attention(
             kc.as_ptr(),
             vc.as_ptr(),
             kind as i32,
+            std::ptr::null(),
+            pos.as_ptr(),
+            table_off.as_ptr(),
+            tables.as_ptr(),
+            p.block_size as i32,
+            p.block_stride as I64,
+            p.layer_off as I64,
+            h.n_heads as i32,
+            h.n_kv as i32,
+            h.head_dim as i32,
+            1.0 / (h.head_dim as f32).sqrt(),
+            out.as_mut_ptr(),
+            out_kind as i32,
+        )
+    }
+}
+
+/// Flash-style prefill attention over `tiles` (first row, row count) of consecutive rows of one
+/// sequence each; rows outside every tile are left untouched in `out`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_prefill(
+    q: &[f32],
+    kc: &[u8],
+    vc: &[u8],
+    kind: Kind,
+    tiles: &[(u32, u32)],
+    pos: &[u32],
+    table_off: &[u32],
+    tables: &[u32],
+    p: Paging,
+    h: Heads,
+    out: &mut [u8],
+    out_kind: Kind,
+) {
+    let rows = pos.len();
+    let kvd = h.n_kv * h.head_dim;
+    assert_eq!(q.len(), rows * h.n_heads * h.head_dim);
+    assert_eq!(out.len(), q.len() * out_kind.bytes());
+    let blocks = kc.len() / kind.bytes() / p.block_stride;
+    assert!(p.layer_off + (p.block_size - 1) * kvd + kvd <= p.block_stride);
+    for &(r0, n) in tiles {
+        assert!((1..=4).contains(&n) && (r0 + n) as usize <= rows);
+        for r in r0..r0 + n {
+            assert_eq!(table_off[r as usize], table_off[r0 as usize]);
+            assert_eq!(pos[r as usize], pos[r0 as usize] + (r - r0));
+        }
+        let need = pos[(r0 + n - 1) as usize] as usize / p.block_size + 1;
+        let off = table_off[r0 as usize] as usize;
+        assert!(tables[off..off + need]
+            .iter()
+            .all(|&b| (b as usize) < blocks));
+    }
+    let row0: Vec<u32> = tiles.iter().map(|t| t.0).collect();
+    let count: Vec<u32> = tiles.iter().map(|t| t.1).collect();
+    // SAFETY: tiles are consecutive rows of one sequence whose blocks lie in the caches
+    // (checked above).
+    unsafe {
+        thaw_emu_attention_prefill(
+            tiles.len() as u32,
+            h.n_kv as u32,
+            q.as_ptr(),
+            kc.as_ptr(),
+            vc.as_ptr(),
+            kind as i32,
+            row0.as_ptr(),
+            count.as_ptr(),
             pos.as_ptr(),
             table_off.as_ptr(),
             tables.as_ptr(),

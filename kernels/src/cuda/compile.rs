@@ -22,6 +22,7 @@ pub const KERNELS: &[&str] = &[
     "silu_mul",
     "rope_store",
     "attention",
+    "attention_prefill",
     "argmax_rows",
     "read_probe",
 ];

@@ -18,7 +18,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 
 use super::{compile, CudaError, DeviceInfo};
-use crate::device::{AttnDims, DeviceBuf, DeviceOps, Elem, GemmCall, Paging};
+use crate::device::{AttnDims, DeviceBuf, DeviceOps, Elem, GemmCall, Paging, Tiles};
 
 fn drv(e: impl std::fmt::Display) -> CudaError {
     CudaError::Driver(e.to_string())
@@ -78,6 +78,7 @@ struct Kernels {
     silu_mul: CudaFunction,
     rope_store: CudaFunction,
     attention: CudaFunction,
+    attention_prefill: CudaFunction,
     argmax_rows: CudaFunction,
     read_probe: CudaFunction,
 }
@@ -146,6 +147,7 @@ impl Gpu {
             silu_mul: f("silu_mul")?,
             rope_store: f("rope_store")?,
             attention: f("attention")?,
+            attention_prefill: f("attention_prefill")?,
             argmax_rows: f("argmax_rows")?,
             read_probe: f("read_probe")?,
         };
@@ -405,6 +407,7 @@ impl DeviceOps for Gpu {
             .arg(&kc)
             .arg(&vc)
             .arg(&kvc)
+            .arg(&paging.rows)
             .arg(&paging.pos)
             .arg(&paging.table_off)
             .arg(&paging.tables)
@@ -424,6 +427,61 @@ impl DeviceOps for Gpu {
         };
         // SAFETY: every row's table covers its positions and every block id is inside the
         // store (both checked on the host before the step).
+        unsafe { b.launch(cfg) }.map_err(drv)?;
+        Ok(())
+    }
+
+    fn attention_prefill(
+        &self,
+        q: u64,
+        kc: u64,
+        vc: u64,
+        kv_kind: Elem,
+        tiles: Tiles,
+        paging: Paging,
+        shape: AttnDims,
+        out: u64,
+        out_kind: Elem,
+    ) -> Result<(), CudaError> {
+        shape.check().map_err(CudaError::Unsupported)?;
+        let (nh, nkv, hd) = (
+            shape.n_heads as i32,
+            shape.n_kv_heads as i32,
+            shape.head_dim as i32,
+        );
+        let scale = 1.0 / (shape.head_dim as f32).sqrt();
+        let (kvc, oc) = (kv_kind.code(), out_kind.code());
+        let (bs, stride, loff) = (
+            paging.block_size as i32,
+            paging.block_stride as i64,
+            paging.layer_off as i64,
+        );
+        let mut b = self.stream.launch_builder(&self.k.attention_prefill);
+        b.arg(&q)
+            .arg(&kc)
+            .arg(&vc)
+            .arg(&kvc)
+            .arg(&tiles.row0)
+            .arg(&tiles.count)
+            .arg(&paging.pos)
+            .arg(&paging.table_off)
+            .arg(&paging.tables)
+            .arg(&bs)
+            .arg(&stride)
+            .arg(&loff)
+            .arg(&nh)
+            .arg(&nkv)
+            .arg(&hd)
+            .arg(&scale)
+            .arg(&out)
+            .arg(&oc);
+        let cfg = LaunchConfig {
+            grid_dim: (tiles.n as u32, shape.n_kv_heads as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: tiles hold consecutive rows of one sequence whose tables cover their
+        // positions (built and checked on the host).
         unsafe { b.launch(cfg) }.map_err(drv)?;
         Ok(())
     }

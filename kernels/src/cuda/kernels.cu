@@ -158,10 +158,11 @@ KERNEL void rope_store(float* q, const float* k, const float* v, const float* co
 // Position p of the row's sequence sits at element
 // table[p / block_size] · block_stride + layer_off + (p % block_size) · kv_dim + kvh · hd.
 KERNEL void __launch_bounds__(ATT_WARPS * 32)
-attention(const float* q, const void* kc, const void* vc, int kv_kind, const u32* pos_of_row,
-          const u32* table_off, const u32* tables, int block_size, i64 block_stride, i64 layer_off,
-          int n_heads, int n_kv, int hd, float scale, void* out, int out_kind) {
-    int r = blockIdx.x, kvh = blockIdx.y;
+attention(const float* q, const void* kc, const void* vc, int kv_kind, const u32* rows_map,
+          const u32* pos_of_row, const u32* table_off, const u32* tables, int block_size,
+          i64 block_stride, i64 layer_off, int n_heads, int n_kv, int hd, float scale, void* out,
+          int out_kind) {
+    int r = rows_map ? (int)rows_map[blockIdx.x] : (int)blockIdx.x, kvh = blockIdx.y;
     int group = n_heads / n_kv, kv_dim = n_kv * hd;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int per = (hd + 31) / 32;
@@ -243,6 +244,101 @@ attention(const float* q, const void* kc, const void* vc, int kv_kind, const u32
             int d = lane + 32 * j;
             if (j < per && d < hd)
                 store_elem(out, ((i64)r * n_heads + kvh * group + g) * hd + d, o[j] * inv, out_kind);
+        }
+    }
+}
+
+#define PF_KEYS 32  // keys staged in shared memory per tile
+
+// Flash-style causal attention for prefill: a block serves a tile of up to ATT_WARPS consecutive
+// query rows of one sequence (warp w: row tile_row0[t] + w, all `group` heads of KV head
+// blockIdx.y, q and accumulators in registers as in `attention`). Keys and values are staged
+// PF_KEYS positions at a time in shared memory by the whole block and read from there by every
+// row of the tile, with an online softmax per (row, head) — so each key/value row leaves global
+// memory once per tile instead of once per query row. Same arithmetic per position as
+// `attention`; a row's positions are visited in order by one warp.
+KERNEL void __launch_bounds__(ATT_WARPS * 32)
+attention_prefill(const float* q, const void* kc, const void* vc, int kv_kind,
+                  const u32* tile_row0, const u32* tile_rows, const u32* pos_of_row,
+                  const u32* table_off, const u32* tables, int block_size, i64 block_stride,
+                  i64 layer_off, int n_heads, int n_kv, int hd, float scale, void* out,
+                  int out_kind) {
+    __shared__ float ks[PF_KEYS][ATT_MAX_PER_LANE * 32];
+    __shared__ float vs[PF_KEYS][ATT_MAX_PER_LANE * 32];
+    int kvh = blockIdx.y;
+    int group = n_heads / n_kv, kv_dim = n_kv * hd;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int per = (hd + 31) / 32;
+    u32 r0 = tile_row0[blockIdx.x], nr = tile_rows[blockIdx.x];
+    bool active = (u32)warp < nr;
+    u32 r = r0 + (active ? (u32)warp : 0u);
+    u32 pos = pos_of_row[r];
+    u32 last = pos_of_row[r0 + nr - 1];  // the tile's rows are consecutive positions
+    const u32* table = tables + table_off[r0];
+
+    float qv[ATT_MAX_GROUP][ATT_MAX_PER_LANE], acc[ATT_MAX_GROUP][ATT_MAX_PER_LANE];
+    float m[ATT_MAX_GROUP], l[ATT_MAX_GROUP];
+#pragma unroll
+    for (int g = 0; g < ATT_MAX_GROUP; g++) {
+        m[g] = NEG_INF;
+        l[g] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < ATT_MAX_PER_LANE; j++) {
+            int d = lane + 32 * j;
+            bool ok = g < group && j < per && d < hd;
+            qv[g][j] = ok ? q[((i64)r * n_heads + kvh * group + g) * hd + d] : 0.0f;
+            acc[g][j] = 0.0f;
+        }
+    }
+    for (u32 base = 0; base <= last; base += PF_KEYS) {
+        u32 cnt = last + 1 - base < PF_KEYS ? last + 1 - base : PF_KEYS;
+        __syncthreads();  // every warp is done with the previous tile
+        for (u32 i = threadIdx.x; i < cnt * (u32)hd; i += blockDim.x) {
+            u32 j = i / hd, d = i % hd, p = base + j;
+            i64 at = (i64)table[p / block_size] * block_stride + layer_off +
+                     (i64)(p % block_size) * kv_dim + (i64)kvh * hd + d;
+            ks[j][d] = load_elem(kc, at, kv_kind);
+            vs[j][d] = load_elem(vc, at, kv_kind);
+        }
+        __syncthreads();
+        if (!active || pos < base) continue;
+        u32 end = pos + 1 - base < cnt ? pos + 1 - base : cnt;
+        for (u32 j = 0; j < end; j++) {
+            float kk[ATT_MAX_PER_LANE], vv[ATT_MAX_PER_LANE];
+#pragma unroll
+            for (int jj = 0; jj < ATT_MAX_PER_LANE; jj++) {
+                int d = lane + 32 * jj;
+                bool ok = jj < per && d < hd;
+                kk[jj] = ok ? ks[j][d] : 0.0f;
+                vv[jj] = ok ? vs[j][d] : 0.0f;
+            }
+#pragma unroll
+            for (int g = 0; g < ATT_MAX_GROUP; g++) {
+                if (g >= group) break;
+                float sc = 0.0f;
+#pragma unroll
+                for (int jj = 0; jj < ATT_MAX_PER_LANE; jj++) sc += qv[g][jj] * kk[jj];
+                sc = warp_sum(sc) * scale;
+                float mn = fmaxf(m[g], sc);
+                float corr = expf(m[g] - mn);
+                float e = expf(sc - mn);
+                l[g] = l[g] * corr + e;
+#pragma unroll
+                for (int jj = 0; jj < ATT_MAX_PER_LANE; jj++) acc[g][jj] = acc[g][jj] * corr + e * vv[jj];
+                m[g] = mn;
+            }
+        }
+    }
+    if (!active) return;
+#pragma unroll
+    for (int g = 0; g < ATT_MAX_GROUP; g++) {
+        if (g >= group) break;
+        float inv = 1.0f / l[g];
+#pragma unroll
+        for (int jj = 0; jj < ATT_MAX_PER_LANE; jj++) {
+            int d = lane + 32 * jj;
+            if (jj < per && d < hd)
+                store_elem(out, ((i64)r * n_heads + kvh * group + g) * hd + d, acc[g][jj] * inv, out_kind);
         }
     }
 }

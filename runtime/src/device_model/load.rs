@@ -3,6 +3,7 @@
 //! addresses, widened norms and KV policy both share.
 
 use std::path::Path;
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -189,6 +190,9 @@ impl<D: DeviceOps> DeviceLlama<D> {
             stats,
             phases,
             dev,
+            tiled_prefill: AtomicBool::new(
+                std::env::var("THAW_CUDA_PREFILL").as_deref() != Ok("paged"),
+            ),
         })
     }
 }

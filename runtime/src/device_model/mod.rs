@@ -11,7 +11,8 @@
 //! * **A step** is the CPU pass's structure with device kernels: the host builds the
 //!   [`StepPlan`] (positions, cache slots, block tables, RoPE angles — tested against the CPU
 //!   store), uploads it in one copy, and queues embedding → per layer (RMSNorm, Q/K/V GEMMs,
-//!   RoPE + cache store, paged attention, O GEMM accumulated into the residual, RMSNorm,
+//!   RoPE + cache store, paged attention (per-row kernel for decodes, flash-style tiles for
+//!   prefill chunks), O GEMM accumulated into the residual, RMSNorm,
 //!   gate/up GEMMs, SiLU·mul, down GEMM accumulated into the residual) → final norm of the
 //!   picked rows → LM head (→ argmax on the device for all-greedy steps). One synchronization
 //!   per step: the download of the logits, or of one id per sequence.
@@ -21,9 +22,10 @@
 
 mod load;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use thaw_kernels::device::{AttnDims, DeviceBuf, DeviceOps, Elem, Paging};
+use thaw_kernels::device::{AttnDims, DeviceBuf, DeviceOps, Elem, Paging, Tiles};
 use thaw_loader::{Dtype, LoadStats};
 
 use crate::model::SeqChunk;
@@ -130,6 +132,10 @@ pub struct DeviceLlama<D: DeviceOps> {
     scratch: Mutex<Option<Scratch<D::Buf>>>,
     stats: LoadStats,
     pub phases: DeviceLoadPhases,
+    /// Prefill chunks through the flash-style tiled kernel (default; `THAW_CUDA_PREFILL=paged`
+    /// or [`DeviceLlama::set_tiled_prefill`] sends every row through the per-row kernel, for
+    /// A/B measurements).
+    tiled_prefill: AtomicBool,
 }
 
 /// The model on a CUDA GPU.
@@ -142,6 +148,11 @@ pub fn ptx_cache_dir() -> Option<std::path::PathBuf> {
 }
 
 impl<D: DeviceOps> DeviceLlama<D> {
+    /// Whether prefill chunks use the flash-style tiled attention kernel.
+    pub fn set_tiled_prefill(&self, on: bool) {
+        self.tiled_prefill.store(on, Ordering::Relaxed);
+    }
+
     pub fn load_stats(&self) -> &LoadStats {
         &self.stats
     }
@@ -221,6 +232,7 @@ impl<D: DeviceOps> DeviceLlama<D> {
         let plan = StepPlan::build(seqs, kv.layout, &self.inv_freq, false);
         let (n, p) = (plan.rows(), plan.picked.len());
         let (meta, at) = plan.pack();
+        let tiled = !plan.tile_row0.is_empty() && self.tiled_prefill.load(Ordering::Relaxed);
         let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let s = self.scratch(&mut guard, n, p, meta.len())?;
         let g = &*self.dev;
@@ -277,6 +289,7 @@ impl<D: DeviceOps> DeviceLlama<D> {
             )
             .map_err(e)?;
             let paging = Paging {
+                rows: 0,
                 pos: m + at.pos,
                 table_off: m + at.table_off,
                 tables: m + at.tables,
@@ -284,18 +297,30 @@ impl<D: DeviceOps> DeviceLlama<D> {
                 block_stride: kv.layout.block_stride(),
                 layer_off,
             };
-            g.attention(
-                s.q.ptr(),
-                kv.k.ptr(),
-                kv.v.ptr(),
-                kv.kind,
-                paging,
-                n,
-                dims,
-                s.att.ptr(),
-                act,
-            )
-            .map_err(e)?;
+            let (q, kc, vc, att) = (s.q.ptr(), kv.k.ptr(), kv.v.ptr(), s.att.ptr());
+            if tiled {
+                // Decodes: the per-row kernel (positions spread over its warps); prefill
+                // chunks: tiles sharing staged keys and values.
+                if !plan.decode_rows.is_empty() {
+                    let p = Paging {
+                        rows: m + at.decode_rows,
+                        ..paging
+                    };
+                    let nd = plan.decode_rows.len();
+                    g.attention(q, kc, vc, kv.kind, p, nd, dims, att, act)
+                        .map_err(e)?;
+                }
+                let tiles = Tiles {
+                    row0: m + at.tile_row0,
+                    count: m + at.tile_rows,
+                    n: plan.tile_row0.len(),
+                };
+                g.attention_prefill(q, kc, vc, kv.kind, tiles, paging, dims, att, act)
+                    .map_err(e)?;
+            } else {
+                g.attention(q, kc, vc, kv.kind, paging, n, dims, att, act)
+                    .map_err(e)?;
+            }
             gemm(&l.o, s.att.ptr(), n, s.x.ptr(), 1.0)?;
             g.rmsnorm(s.x.ptr(), 0, l.mlp_norm.ptr(), n, h, eps, s.xn.ptr(), act)
                 .map_err(e)?;
