@@ -13,7 +13,8 @@ export LD_LIBRARY_PATH="$nvrtc${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export THAW_REQUIRE_NVRTC=1  # the kernel-compile tests must not skip here
 # The CUDA backend must always build here (cudarc loads CUDA at run time); its kernels compile
 # with NVRTC (above) in the kernels' tests; tests that need a GPU skip with a message.
-cargo test --release -p thaw-kernels -p thaw-loader --features cuda
+cargo test --release -p thaw-kernels --features cuda --lib
+cargo test --release -p thaw-loader --features cuda
 cargo check --release -p thaw-runtime -p bench-coldstart --features thaw-runtime/cuda,bench-coldstart/cuda
 cargo build --release --bins
 cargo test --release --workspace "$@"
