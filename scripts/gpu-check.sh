@@ -9,8 +9,10 @@
 # The run: GPU tests (kernels, loader), then synthetic checkpoints made on the host
 # (`bench-coldstart synth`: SmolLM2-shaped f32 and bf16, Llama-3-8B-shaped bf16), then
 # `bench-coldstart gpu`: CUDA vs CPU logits and greedy ids, pinned H2D floor, 8B load GB/s and
-# cold-start phases, batch-1/batch-32 decode vs the HBM roofline. Results: $OUT/gpu-check.json
-# (OUT defaults to target/gpu-check), log beside it.
+# cold-start phases, prefill A/B (tiled vs per-row attention), batch-1/batch-32 decode vs the HBM
+# roofline; then `thaw serve --device cuda` answering /invoke, and fresh-process cold starts
+# (`bench-coldstart coldstart`, --device cuda vs cpu). Results: $OUT/gpu-check.json, coldstart.md,
+# the log (OUT defaults to target/gpu-check).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dist=dist/gpu
@@ -19,8 +21,9 @@ if [ "${1:-}" = "--build" ]; then
     rm -rf "$dist" && mkdir -p "$dist"
     cargo build --release --features cuda -p thaw-runtime -p bench-coldstart
     cp target/release/thaw target/release/bench-coldstart "$dist/"
-    # Test binaries: the GPU tests of the kernels (device open, NVRTC compile) and the loader
-    # (pinned staging ring → device round trip).
+    # Test binaries with GPU tests: the kernels' library tests (device open, NVRTC compile, PTX
+    # cache) and the loader's `cuda` test (pinned staging ring → device round trip). The CPU-only
+    # tests (the emulator's among them) ran in CI already.
     cargo test --release --features cuda -p thaw-kernels -p thaw-loader --no-run \
         --message-format=json 2>/dev/null |
         python3 -c '
@@ -29,6 +32,8 @@ for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
         name = m["target"]["name"].replace("-", "_")
+        if name not in ("thaw_kernels", "cuda"):
+            continue
         shutil.copy(m["executable"], sys.argv[1] + "/test-" + m["package_id"].split("#")[0].split("/")[-1].split("@")[0] + "-" + name)
 ' "$dist"
     strip "$dist"/thaw "$dist"/bench-coldstart "$dist"/test-*
@@ -120,6 +125,11 @@ fi
 kill -TERM $spid 2>/dev/null || true
 wait $spid 2>/dev/null || true
 grep -E "cold start|loaded|error" "$out/serve.log" | head -5 || true
+
+echo "== cold start, fresh processes: thaw serve --device cuda vs --device cpu ($(( $(date +%s) - t0 )) s)"
+"$dist/bench-coldstart" coldstart --model "$work/small-bf16" --runs 3 --thaw-args="--device cuda" \
+    --peer "$dist/thaw serve --device cpu --model $work/small-bf16 --port {port}" --peer-label "thaw cpu" \
+    --svg "$out/coldstart-cuda.svg" 2>&1 | tee "$out/coldstart.md" || status=1
 
 echo "== done in $(( $(date +%s) - t0 )) s, status $status; results in $out/gpu-check.json"
 exit $status
