@@ -15,6 +15,7 @@ export THAW_REQUIRE_NVRTC=1  # the kernel-compile tests must not skip here
 # with NVRTC (above) in the kernels' tests; tests that need a GPU skip with a message.
 cargo test --release -p thaw-kernels --features cuda --lib
 cargo test --release -p thaw-loader --features cuda
-cargo check --release -p thaw-runtime -p bench-coldstart --features thaw-runtime/cuda,bench-coldstart/cuda
+cargo test --release -p thaw-runtime --features cuda --lib
+cargo check --release -p bench-coldstart --features cuda
 cargo build --release --bins
 cargo test --release --workspace "$@"
