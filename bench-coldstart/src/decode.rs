@@ -35,6 +35,9 @@ pub struct DecodeArgs {
 
 /// Runs llama-bench (batch-1 decode of `gen` tokens, prefill of each `prompts`) with the same
 /// thread count; returns (label, decode tokens/s, [(prompt, prefill tokens/s)]).
+/// llama-bench's model description, its decode tokens/s, and prefill tokens/s per prompt length.
+type PeerRates = (String, f64, Vec<(usize, f64)>);
+
 fn llama_bench(
     bin: &std::path::Path,
     gguf: &std::path::Path,
@@ -42,7 +45,7 @@ fn llama_bench(
     gen: usize,
     prompts: &[usize],
     runs: usize,
-) -> Result<(String, f64, Vec<(usize, f64)>)> {
+) -> Result<PeerRates> {
     let p: Vec<String> = prompts.iter().map(|p| p.to_string()).collect();
     let mut cmd = std::process::Command::new(bin);
     // scripts/build-llama-cpp.sh installs the shared libraries beside bin/ in lib/.

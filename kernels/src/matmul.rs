@@ -826,7 +826,8 @@ mod tests {
             let wf: Vec<f32> = (0..rows * k).map(|_| rng.f()).collect();
             let wb: Vec<u16> = wf.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
             let wh: Vec<u16> = wf.iter().map(|&v| f16::from_f32(v).to_bits()).collect();
-            let variants: [(Weights, Box<dyn Fn(usize) -> f64>); 3] = [
+            type Exact<'a> = Box<dyn Fn(usize) -> f64 + 'a>;
+            let variants: [(Weights, Exact); 3] = [
                 (Weights::F32(&wf), Box::new(|i| wf[i] as f64)),
                 (
                     Weights::Bf16(&wb),

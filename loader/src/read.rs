@@ -160,9 +160,8 @@ impl LayerTracker {
     fn new(plan: &LoadPlan) -> LayerTracker {
         let mut pending = vec![0usize; plan.layers];
         for c in &plan.chunks {
-            for l in c.layer..=c.last_layer.min(plan.layers - 1) {
-                pending[l] += 1;
-            }
+            let last = c.last_layer.min(plan.layers - 1);
+            pending[c.layer..=last].iter_mut().for_each(|p| *p += 1);
         }
         LayerTracker {
             pending,

@@ -311,7 +311,9 @@ fn errors_have_their_status_and_openai_shape() {
         }
         serde_json::to_vec(&b).unwrap()
     };
-    let cases: Vec<(&str, Vec<u8>, Option<&str>, u16, &str)> = vec![
+    // (path, body, content type, expected status, expected error type)
+    type Case<'a> = (&'a str, Vec<u8>, Option<&'a str>, u16, &'a str);
+    let cases: Vec<Case> = vec![
         (
             "/v1/chat/completions",
             chat(json!({})),

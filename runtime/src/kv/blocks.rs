@@ -216,6 +216,7 @@ impl BlockManager {
                 return Err(format!("cached block {b} has refs or no content"));
             }
         }
+        #[allow(clippy::needless_range_loop)] // `b` indexes refs and seen and names the block
         for b in 0..self.total() {
             let want = held.get(&(b as BlockId)).copied().unwrap_or(0);
             if self.refs[b] != want {
