@@ -150,6 +150,51 @@ KERNEL void rope_store(float* q, const float* k, const float* v, const float* co
 #define ATT_MAX_GROUP 8
 #define ATT_MAX_PER_LANE 4  // head_dim <= 128
 
+// One warp's attention state for one query row and the `group` query heads of one KV head:
+// queries and weighted values in registers (element lane + 32·j of each head), and an online
+// softmax per head (running max m, running sum l). Both attention kernels are built on it, so
+// the arithmetic per position is the same in each.
+struct RowState {
+    float qv[ATT_MAX_GROUP][ATT_MAX_PER_LANE], acc[ATT_MAX_GROUP][ATT_MAX_PER_LANE];
+    float m[ATT_MAX_GROUP], l[ATT_MAX_GROUP];
+
+    // Loads the queries of heads head0 .. head0 + group - 1.
+    __device__ __forceinline__ void init(const float* q, i64 head0, int group, int hd, int lane) {
+        int per = (hd + 31) / 32;
+#pragma unroll
+        for (int g = 0; g < ATT_MAX_GROUP; g++) {
+            m[g] = NEG_INF;
+            l[g] = 0.0f;
+#pragma unroll
+            for (int j = 0; j < ATT_MAX_PER_LANE; j++) {
+                int d = lane + 32 * j;
+                bool ok = g < group && j < per && d < hd;
+                qv[g][j] = ok ? q[(head0 + g) * hd + d] : 0.0f;
+                acc[g][j] = 0.0f;
+            }
+        }
+    }
+
+    // Folds in one position's key and value (this lane's elements).
+    __device__ __forceinline__ void add(const float* kk, const float* vv, int group, float scale) {
+#pragma unroll
+        for (int g = 0; g < ATT_MAX_GROUP; g++) {
+            if (g >= group) break;
+            float s = 0.0f;
+#pragma unroll
+            for (int j = 0; j < ATT_MAX_PER_LANE; j++) s += qv[g][j] * kk[j];
+            s = warp_sum(s) * scale;
+            float mn = fmaxf(m[g], s);
+            float corr = expf(m[g] - mn);  // exp(-inf) = 0 on the first position
+            float e = expf(s - mn);
+            l[g] = l[g] * corr + e;
+#pragma unroll
+            for (int j = 0; j < ATT_MAX_PER_LANE; j++) acc[g][j] = acc[g][j] * corr + e * vv[j];
+            m[g] = mn;
+        }
+    }
+};
+
 // Causal GQA attention over a paged cache. Grid: (rows, kv heads); block: ATT_WARPS warps. The
 // block serves the `group` query heads that share KV head `blockIdx.y`, so each key and value row
 // is read once for all of them. Warp w takes positions w, w + ATT_WARPS, …; lanes split the head
@@ -169,20 +214,8 @@ attention(const float* q, const void* kc, const void* vc, int kv_kind, const u32
     u32 pos = pos_of_row[r];
     const u32* table = tables + table_off[r];
 
-    float qv[ATT_MAX_GROUP][ATT_MAX_PER_LANE], acc[ATT_MAX_GROUP][ATT_MAX_PER_LANE];
-    float m[ATT_MAX_GROUP], l[ATT_MAX_GROUP];
-#pragma unroll
-    for (int g = 0; g < ATT_MAX_GROUP; g++) {
-        m[g] = NEG_INF;
-        l[g] = 0.0f;
-#pragma unroll
-        for (int j = 0; j < ATT_MAX_PER_LANE; j++) {
-            int d = lane + 32 * j;
-            bool ok = g < group && j < per && d < hd;
-            qv[g][j] = ok ? q[((i64)r * n_heads + kvh * group + g) * hd + d] : 0.0f;
-            acc[g][j] = 0.0f;
-        }
-    }
+    RowState st;
+    st.init(q, (i64)r * n_heads + kvh * group, group, hd, lane);
     for (u32 p = warp; p <= pos; p += ATT_WARPS) {
         i64 base = (i64)table[p / block_size] * block_stride + layer_off +
                    (i64)(p % block_size) * kv_dim + (i64)kvh * hd;
@@ -194,21 +227,7 @@ attention(const float* q, const void* kc, const void* vc, int kv_kind, const u32
             kk[j] = ok ? load_elem(kc, base + d, kv_kind) : 0.0f;
             vv[j] = ok ? load_elem(vc, base + d, kv_kind) : 0.0f;
         }
-#pragma unroll
-        for (int g = 0; g < ATT_MAX_GROUP; g++) {
-            if (g >= group) break;
-            float s = 0.0f;
-#pragma unroll
-            for (int j = 0; j < ATT_MAX_PER_LANE; j++) s += qv[g][j] * kk[j];
-            s = warp_sum(s) * scale;
-            float mn = fmaxf(m[g], s);
-            float corr = expf(m[g] - mn);  // exp(-inf) = 0 on the first position
-            float e = expf(s - mn);
-            l[g] = l[g] * corr + e;
-#pragma unroll
-            for (int j = 0; j < ATT_MAX_PER_LANE; j++) acc[g][j] = acc[g][j] * corr + e * vv[j];
-            m[g] = mn;
-        }
+        st.add(kk, vv, group, scale);
     }
     // Merge the warps: each publishes (m, l, acc) per head; warp 0 combines them.
     __shared__ float sm[ATT_WARPS][ATT_MAX_GROUP], sl[ATT_WARPS][ATT_MAX_GROUP];
@@ -217,11 +236,11 @@ attention(const float* q, const void* kc, const void* vc, int kv_kind, const u32
     for (int g = 0; g < ATT_MAX_GROUP; g++) {
         if (g < group) {
             if (lane == 0) {
-                sm[warp][g] = m[g];
-                sl[warp][g] = l[g];
+                sm[warp][g] = st.m[g];
+                sl[warp][g] = st.l[g];
             }
 #pragma unroll
-            for (int j = 0; j < ATT_MAX_PER_LANE; j++) sacc[warp][g][lane + 32 * j] = acc[g][j];
+            for (int j = 0; j < ATT_MAX_PER_LANE; j++) sacc[warp][g][lane + 32 * j] = st.acc[g][j];
         }
     }
     __syncthreads();
@@ -276,20 +295,8 @@ attention_prefill(const float* q, const void* kc, const void* vc, int kv_kind,
     u32 last = pos_of_row[r0 + nr - 1];  // the tile's rows are consecutive positions
     const u32* table = tables + table_off[r0];
 
-    float qv[ATT_MAX_GROUP][ATT_MAX_PER_LANE], acc[ATT_MAX_GROUP][ATT_MAX_PER_LANE];
-    float m[ATT_MAX_GROUP], l[ATT_MAX_GROUP];
-#pragma unroll
-    for (int g = 0; g < ATT_MAX_GROUP; g++) {
-        m[g] = NEG_INF;
-        l[g] = 0.0f;
-#pragma unroll
-        for (int j = 0; j < ATT_MAX_PER_LANE; j++) {
-            int d = lane + 32 * j;
-            bool ok = g < group && j < per && d < hd;
-            qv[g][j] = ok ? q[((i64)r * n_heads + kvh * group + g) * hd + d] : 0.0f;
-            acc[g][j] = 0.0f;
-        }
-    }
+    RowState st;
+    st.init(q, (i64)r * n_heads + kvh * group, group, hd, lane);
     for (u32 base = 0; base <= last; base += PF_KEYS) {
         u32 cnt = last + 1 - base < PF_KEYS ? last + 1 - base : PF_KEYS;
         __syncthreads();  // every warp is done with the previous tile
@@ -312,33 +319,20 @@ attention_prefill(const float* q, const void* kc, const void* vc, int kv_kind,
                 kk[jj] = ok ? ks[j][d] : 0.0f;
                 vv[jj] = ok ? vs[j][d] : 0.0f;
             }
-#pragma unroll
-            for (int g = 0; g < ATT_MAX_GROUP; g++) {
-                if (g >= group) break;
-                float sc = 0.0f;
-#pragma unroll
-                for (int jj = 0; jj < ATT_MAX_PER_LANE; jj++) sc += qv[g][jj] * kk[jj];
-                sc = warp_sum(sc) * scale;
-                float mn = fmaxf(m[g], sc);
-                float corr = expf(m[g] - mn);
-                float e = expf(sc - mn);
-                l[g] = l[g] * corr + e;
-#pragma unroll
-                for (int jj = 0; jj < ATT_MAX_PER_LANE; jj++) acc[g][jj] = acc[g][jj] * corr + e * vv[jj];
-                m[g] = mn;
-            }
+            st.add(kk, vv, group, scale);
         }
     }
     if (!active) return;
 #pragma unroll
     for (int g = 0; g < ATT_MAX_GROUP; g++) {
         if (g >= group) break;
-        float inv = 1.0f / l[g];
+        float inv = 1.0f / st.l[g];
 #pragma unroll
         for (int jj = 0; jj < ATT_MAX_PER_LANE; jj++) {
             int d = lane + 32 * jj;
             if (jj < per && d < hd)
-                store_elem(out, ((i64)r * n_heads + kvh * group + g) * hd + d, acc[g][jj] * inv, out_kind);
+                store_elem(out, ((i64)r * n_heads + kvh * group + g) * hd + d, st.acc[g][jj] * inv,
+                           out_kind);
         }
     }
 }
