@@ -25,9 +25,9 @@ use serde_json::{json, Value};
 use thaw_kernels::cuda::{DevBuf, Gpu};
 use thaw_kernels::device::DeviceOps;
 use thaw_loader::LoadOptions;
+use thaw_runtime::compare::{engine_outputs, prompt, rel_err, steps};
 use thaw_runtime::device_model::CudaLlama;
-use thaw_runtime::engine::{Engine, EngineConfig, Request};
-use thaw_runtime::{Llama, SamplingParams, SeqChunk, StepModel};
+use thaw_runtime::{Llama, SeqChunk, StepModel};
 
 #[derive(clap::Args)]
 pub struct GpuArgs {
@@ -64,96 +64,17 @@ fn pinned_h2d(gpu: &Gpu, bytes: usize, reps: usize) -> Result<f64> {
     Ok(best)
 }
 
-/// Worst relative error `‖a − b‖ / ‖b‖` over rows of `vocab`.
-fn rel_err(a: &[f32], b: &[f32], vocab: usize) -> f64 {
-    a.chunks(vocab)
-        .zip(b.chunks(vocab))
-        .map(|(x, y)| {
-            let d: f64 = x.iter().zip(y).map(|(p, q)| ((p - q) as f64).powi(2)).sum();
-            let n: f64 = y.iter().map(|q| (*q as f64).powi(2)).sum();
-            (d / n.max(1e-30)).sqrt()
-        })
-        .fold(0.0, f64::max)
-}
-
-/// The prompt every check uses: deterministic ids spread over the vocabulary.
-fn prompt(vocab: usize, n: usize, salt: u64) -> Vec<u32> {
-    (0..n as u64)
-        .map(|i| ((i * 2_654_435_761 + salt * 97 + 11) % vocab as u64) as u32)
-        .collect()
-}
-
-/// Logits of a prefill, then of one batched step of three sequences with scattered tables.
-fn logits_of<M: StepModel>(m: &M) -> Result<(Vec<f32>, Vec<f32>)> {
-    let vocab = m.config().vocab_size;
-    let mut kv = m.new_kv(16, 64)?;
-    let p = prompt(vocab, 37, 1);
-    let t0: Vec<u32> = vec![9, 3, 40];
-    let prefill = m.forward_batch(
-        &[SeqChunk {
-            tokens: &p,
-            start: 0,
-            table: &t0,
-        }],
-        &mut kv,
-    )?;
-    let (q1, q2) = (prompt(vocab, 20, 2), prompt(vocab, 5, 3));
-    let (t1, t2): (Vec<u32>, Vec<u32>) = (vec![63, 0], vec![17]);
-    let next = [p[36]];
-    let batch = m.forward_batch(
-        &[
-            SeqChunk {
-                tokens: &next,
-                start: 37,
-                table: &t0,
-            },
-            SeqChunk {
-                tokens: &q1,
-                start: 0,
-                table: &t1,
-            },
-            SeqChunk {
-                tokens: &q2,
-                start: 0,
-                table: &t2,
-            },
-        ],
-        &mut kv,
-    )?;
-    Ok((prefill, batch))
-}
-
-/// Greedy outputs of 6 concurrent requests through the engine.
-fn engine_ids<M: StepModel>(m: Arc<M>) -> Result<Vec<Vec<u32>>> {
-    let vocab = m.config().vocab_size;
-    let mut cfg = EngineConfig::with_kv_bytes(&*m, 64 << 20);
-    cfg.max_batch_tokens = 64; // several chunked-prefill steps
-    let e = Engine::start(m, cfg)?;
-    let streams: Vec<_> = (0..6)
-        .map(|i| {
-            e.submit(Request {
-                prompt: prompt(vocab, 10 + 23 * i, i as u64 + 5),
-                max_tokens: 12,
-                sampling: SamplingParams::default(),
-                stop_ids: vec![],
-                ignore_eos: true,
-            })
-        })
-        .collect();
-    Ok(streams.into_iter().map(|s| s.collect().0).collect())
-}
-
 fn check(dir: &PathBuf, device: usize) -> Result<Value> {
     let cpu = Arc::new(Llama::load(dir)?);
     let f32_weights = cpu.weight_dtype() == thaw_loader::Dtype::F32;
     let gpu = Arc::new(CudaLlama::load(dir, &LoadOptions::default(), device)?);
     let vocab = cpu.cfg.vocab_size;
-    let (cp, cb) = logits_of(&*cpu)?;
-    let (gp, gb) = logits_of(&*gpu)?;
+    let (cp, cb) = steps(&*cpu)?;
+    let (gp, gb) = steps(&*gpu)?;
     let prefill_err = rel_err(&gp, &cp, vocab);
     let batch_err = rel_err(&gb, &cb, vocab);
-    let ci = engine_ids(cpu.clone())?;
-    let gi = engine_ids(gpu.clone())?;
+    let ci = engine_outputs(cpu.clone())?;
+    let gi = engine_outputs(gpu.clone())?;
     let same = ci.iter().zip(&gi).filter(|(a, b)| a == b).count();
     let limit = if f32_weights { 1e-4 } else { 1e-2 };
     let ok = prefill_err < limit && batch_err < limit && (!f32_weights || same == ci.len());

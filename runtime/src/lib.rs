@@ -18,6 +18,7 @@
 //!   binary turns them into exit codes.
 
 pub mod chat;
+pub mod compare;
 pub mod config;
 pub mod convert;
 pub mod device;

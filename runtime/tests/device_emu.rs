@@ -8,9 +8,9 @@ use std::sync::Arc;
 
 use serde_json::json;
 use thaw_cuda_emu::device::Emu;
+use thaw_runtime::compare::{engine_outputs, rel_err, steps};
 use thaw_runtime::convert::OutDtype;
 use thaw_runtime::device_model::DeviceLlama;
-use thaw_runtime::engine::{Engine, EngineConfig, Request};
 use thaw_runtime::fetch::default_model;
 use thaw_runtime::{
     generate, GenerateParams, Llama, SamplingParams, SeqChunk, StepModel, TextTokenizer,
@@ -91,100 +91,6 @@ fn tiny_shaped(dir: &Path, dtype: &str, qwen: bool, h: usize, heads: usize, kv: 
     std::fs::write(dir.join("model.safetensors"), file).unwrap();
 }
 
-/// Worst relative error `‖a − b‖ / ‖b‖` over rows of `vocab`.
-fn rel_err(a: &[f32], b: &[f32], vocab: usize) -> f64 {
-    assert_eq!(a.len(), b.len());
-    a.chunks(vocab)
-        .zip(b.chunks(vocab))
-        .map(|(x, y)| {
-            let d: f64 = x.iter().zip(y).map(|(p, q)| ((p - q) as f64).powi(2)).sum();
-            let n: f64 = y.iter().map(|q| (*q as f64).powi(2)).sum();
-            (d / n.max(1e-30)).sqrt()
-        })
-        .fold(0.0, f64::max)
-}
-
-fn prompt(vocab: usize, n: usize, salt: u64) -> Vec<u32> {
-    (0..n as u64)
-        .map(|i| ((i * 2_654_435_761 + salt * 97 + 11) % vocab as u64) as u32)
-        .collect()
-}
-
-/// A prefill, then one batched step: a decode of that sequence plus two new prompts, each over
-/// its own scattered block table.
-fn steps<M: StepModel>(m: &M) -> (Vec<f32>, Vec<f32>) {
-    let vocab = m.config().vocab_size;
-    let mut kv = m.new_kv(16, 64).unwrap();
-    let p = prompt(vocab, 37, 1);
-    let t0: Vec<u32> = vec![9, 3, 40];
-    let prefill = m
-        .forward_batch(
-            &[SeqChunk {
-                tokens: &p,
-                start: 0,
-                table: &t0,
-            }],
-            &mut kv,
-        )
-        .unwrap();
-    let (q1, q2) = (prompt(vocab, 20, 2), prompt(vocab, 5, 3));
-    let (t1, t2): (Vec<u32>, Vec<u32>) = (vec![63, 0], vec![17]);
-    let next = [p[36]];
-    let batch = m
-        .forward_batch(
-            &[
-                SeqChunk {
-                    tokens: &next,
-                    start: 37,
-                    table: &t0,
-                },
-                SeqChunk {
-                    tokens: &q1,
-                    start: 0,
-                    table: &t1,
-                },
-                SeqChunk {
-                    tokens: &q2,
-                    start: 0,
-                    table: &t2,
-                },
-            ],
-            &mut kv,
-        )
-        .unwrap();
-    (prefill, batch)
-}
-
-/// Outputs of concurrent requests through the engine (chunked prefill: 16-token steps): greedy
-/// ones (steps of only greedy sequences take the model's argmax path) and one seeded sampled
-/// request, whose steps need the logits.
-fn engine_ids<M: StepModel>(m: Arc<M>) -> Vec<Vec<u32>> {
-    let vocab = m.config().vocab_size;
-    let mut cfg = EngineConfig::with_kv_bytes(&*m, 4 << 20);
-    cfg.max_batch_tokens = 16;
-    let e = Engine::start(m, cfg).unwrap();
-    let streams: Vec<_> = (0..4)
-        .map(|i| {
-            e.submit(Request {
-                prompt: prompt(vocab, 3 + 11 * i, i as u64 + 5),
-                max_tokens: 6,
-                sampling: if i == 3 {
-                    SamplingParams {
-                        temperature: 0.7,
-                        seed: Some(3),
-                        ..SamplingParams::default()
-                    }
-                } else {
-                    SamplingParams::default()
-                },
-                stop_ids: vec![],
-                ignore_eos: true,
-            })
-        })
-        .collect();
-    streams.into_iter().map(|s| s.collect().0).collect()
-}
-
 /// On tiny Llama (f32, tied head) and Qwen2 (bf16, Q/K/V biases, separate head) checkpoints,
 /// the device model's logits match the CPU model's (relative error below 1e-4 for f32 and
 /// 1e-2 for bf16, the CUDA backend's bar), and the engine over it gives the same greedy ids.
@@ -196,15 +102,18 @@ fn device_model_matches_the_cpu_model_on_tiny_checkpoints() {
         let cpu = Arc::new(Llama::load(d.path()).unwrap());
         let dev = Arc::new(DeviceLlama::load_simple(Arc::new(Emu), d.path()).unwrap());
         let vocab = cpu.cfg.vocab_size;
-        let (cp, cb) = steps(&*cpu);
-        let (dp, db) = steps(&*dev);
+        let (cp, cb) = steps(&*cpu).unwrap();
+        let (dp, db) = steps(&*dev).unwrap();
         let (ep, eb) = (rel_err(&dp, &cp, vocab), rel_err(&db, &cb, vocab));
         eprintln!("{dtype}: prefill rel err {ep:.2e}, batched step {eb:.2e}");
         assert!(
             ep < limit && eb < limit,
             "{dtype}: {ep:.2e} / {eb:.2e} over {limit:.0e}"
         );
-        let (ci, di) = (engine_ids(cpu.clone()), engine_ids(dev.clone()));
+        let (ci, di) = (
+            engine_outputs(cpu.clone()).unwrap(),
+            engine_outputs(dev.clone()).unwrap(),
+        );
         if dtype == "F32" {
             assert_eq!(ci, di, "greedy ids through the engine");
         } else {

@@ -126,12 +126,11 @@ impl Gpu {
         let t = Instant::now();
         let module = match ctx.load_module(Ptx::from_src(ptx.ptx.clone())) {
             Ok(m) => m,
-            Err(e) if ptx.cache_hit => {
+            Err(_) if ptx.cache_hit => {
                 // A cached PTX the driver refuses (e.g. written by a newer NVRTC): compile anew.
                 if let Some(dir) = ptx_cache {
                     compile::forget(arch, dir);
                 }
-                let _ = e;
                 ptx = compile::compile_cached(arch, ptx_cache)?;
                 ctx.load_module(Ptx::from_src(ptx.ptx.clone()))
                     .map_err(drv)?

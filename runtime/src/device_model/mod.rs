@@ -345,24 +345,31 @@ impl<D: DeviceOps> DeviceLlama<D> {
         if greedy {
             g.argmax_rows(s.logits.ptr(), p, c.vocab_size, s.ids.ptr())
                 .map_err(e)?;
-            let mut bytes = vec![0u8; p * 4];
-            g.download(&s.ids, 0, &mut bytes).map_err(e)?;
-            return Ok(Step::Ids(
-                bytes
-                    .chunks_exact(4)
-                    .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    .collect(),
-            ));
+            return Ok(Step::Ids(download::<D, u32>(g, &s.ids, p)?));
         }
-        let mut bytes = vec![0u8; p * c.vocab_size * 4];
-        g.download(&s.logits, 0, &mut bytes).map_err(e)?;
-        Ok(Step::Logits(
-            bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-        ))
+        Ok(Step::Logits(download::<D, f32>(
+            g,
+            &s.logits,
+            p * c.vocab_size,
+        )?))
     }
+}
+
+/// Marker for element types every bit pattern of which is a valid value.
+trait Plain: Copy + Default {}
+impl Plain for f32 {}
+impl Plain for u32 {}
+
+/// `n` elements from the start of `buf`, copied straight into their vector (no byte staging).
+fn download<D: DeviceOps, T: Plain>(g: &D, buf: &D::Buf, n: usize) -> Result<Vec<T>, RuntimeError> {
+    let mut v = vec![T::default(); n];
+    // SAFETY: `T` is f32 or u32 (`Plain`): any bytes the device writes are a valid value, and
+    // the byte view covers exactly the vector's initialized elements.
+    let bytes = unsafe {
+        std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, std::mem::size_of_val(&v[..]))
+    };
+    g.download(buf, 0, bytes).map_err(dev_err)?;
+    Ok(v)
 }
 
 impl<D: DeviceOps> StepModel for DeviceLlama<D> {

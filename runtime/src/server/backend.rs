@@ -73,23 +73,21 @@ impl Loaded {
         }
     }
 
-    pub(super) fn engine(
-        &self,
-        cfg: impl Fn(EngineConfig) -> EngineConfig,
-    ) -> Result<Engine, RuntimeError> {
-        match self {
-            Loaded::Cpu(m) => Engine::start(m.clone(), cfg(EngineConfig::with_kv_bytes(&**m, 0))),
-            #[cfg(feature = "cuda")]
-            Loaded::Cuda(m) => Engine::start(m.clone(), cfg(EngineConfig::with_kv_bytes(&**m, 0))),
+    /// Starts the engine with `o`'s KV budget and batch limits.
+    pub(super) fn engine(&self, o: &ServeOptions) -> Result<Engine, RuntimeError> {
+        fn start<M: crate::StepModel>(
+            m: &Arc<M>,
+            o: &ServeOptions,
+        ) -> Result<Engine, RuntimeError> {
+            let mut cfg = EngineConfig::with_kv_bytes(&**m, o.kv_cache_bytes);
+            cfg.max_batch_tokens = o.max_batch_tokens.max(1);
+            cfg.max_running = o.max_running.max(1);
+            Engine::start(m.clone(), cfg)
         }
-    }
-
-    pub(super) fn kv_bytes_per_block(&self) -> usize {
-        use crate::step::StepModel;
         match self {
-            Loaded::Cpu(m) => m.kv_bytes_per_block(crate::model::DEFAULT_BLOCK_SIZE),
+            Loaded::Cpu(m) => start(m, o),
             #[cfg(feature = "cuda")]
-            Loaded::Cuda(m) => m.kv_bytes_per_block(crate::model::DEFAULT_BLOCK_SIZE),
+            Loaded::Cuda(m) => start(m, o),
         }
     }
 }

@@ -131,13 +131,7 @@ fn load_worker(o: &ServeOptions) -> Result<(Worker, ColdStart, Option<LoadDone>)
     // Overlapped with plan/read/verify: not on the critical path unless it is the longest.
     cs.push("tokenizer", tok_s);
     let load_s = t0.elapsed().as_secs_f64();
-    let per_block = model.kv_bytes_per_block();
-    let engine = model.engine(|mut cfg| {
-        cfg.num_blocks = (o.kv_cache_bytes / per_block).max(1);
-        cfg.max_batch_tokens = o.max_batch_tokens.max(1);
-        cfg.max_running = o.max_running.max(1);
-        cfg
-    })?;
+    let engine = model.engine(o)?;
     let model_cfg = model.cfg().clone();
     let mut eos = model_cfg.eos_ids();
     eos.extend(tok.eos_id);
