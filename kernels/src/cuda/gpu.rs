@@ -13,7 +13,8 @@ use std::time::Instant;
 
 use cudarc::cublas::{sys as blas_sys, CudaBlas};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchArgs, LaunchConfig,
+    PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 
@@ -207,6 +208,62 @@ impl Gpu {
     }
 }
 
+/// The scalar arguments both attention kernels share, converted once to the kernels' types.
+struct AttnArgs {
+    kv_kind: i32,
+    block_size: i32,
+    block_stride: i64,
+    layer_off: i64,
+    n_heads: i32,
+    n_kv: i32,
+    head_dim: i32,
+    scale: f32,
+    out_kind: i32,
+}
+
+impl AttnArgs {
+    fn new(kv: Elem, p: Paging, s: AttnDims, out: Elem) -> Result<AttnArgs, CudaError> {
+        s.check().map_err(CudaError::Unsupported)?;
+        Ok(AttnArgs {
+            kv_kind: kv.code(),
+            block_size: p.block_size as i32,
+            block_stride: p.block_stride as i64,
+            layer_off: p.layer_off as i64,
+            n_heads: s.n_heads as i32,
+            n_kv: s.n_kv_heads as i32,
+            head_dim: s.head_dim as i32,
+            scale: 1.0 / (s.head_dim as f32).sqrt(),
+            out_kind: out.code(),
+        })
+    }
+
+    /// The kernels' common tail: `pos_of_row, table_off, tables, block_size, block_stride,
+    /// layer_off, n_heads, n_kv, hd, scale, out, out_kind`.
+    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>, p: &'a Paging, out: &'a u64) {
+        b.arg(&p.pos)
+            .arg(&p.table_off)
+            .arg(&p.tables)
+            .arg(&self.block_size)
+            .arg(&self.block_stride)
+            .arg(&self.layer_off)
+            .arg(&self.n_heads)
+            .arg(&self.n_kv)
+            .arg(&self.head_dim)
+            .arg(&self.scale)
+            .arg(out)
+            .arg(&self.out_kind);
+    }
+
+    /// One block of ATT_WARPS (4) warps per (row or tile, KV head).
+    fn grid(&self, n: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (n as u32, self.n_kv as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+}
+
 impl DeviceOps for Gpu {
     type Buf = DevBuf;
     type Error = CudaError;
@@ -388,45 +445,17 @@ impl DeviceOps for Gpu {
         out: u64,
         out_kind: Elem,
     ) -> Result<(), CudaError> {
-        shape.check().map_err(CudaError::Unsupported)?;
-        let (nh, nkv, hd) = (
-            shape.n_heads as i32,
-            shape.n_kv_heads as i32,
-            shape.head_dim as i32,
-        );
-        let scale = 1.0 / (shape.head_dim as f32).sqrt();
-        let (kvc, oc) = (kv_kind.code(), out_kind.code());
-        let (bs, stride, loff) = (
-            paging.block_size as i32,
-            paging.block_stride as i64,
-            paging.layer_off as i64,
-        );
+        let a = AttnArgs::new(kv_kind, paging, shape, out_kind)?;
         let mut b = self.stream.launch_builder(&self.k.attention);
         b.arg(&q)
             .arg(&kc)
             .arg(&vc)
-            .arg(&kvc)
-            .arg(&paging.rows)
-            .arg(&paging.pos)
-            .arg(&paging.table_off)
-            .arg(&paging.tables)
-            .arg(&bs)
-            .arg(&stride)
-            .arg(&loff)
-            .arg(&nh)
-            .arg(&nkv)
-            .arg(&hd)
-            .arg(&scale)
-            .arg(&out)
-            .arg(&oc);
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, shape.n_kv_heads as u32, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
+            .arg(&a.kv_kind)
+            .arg(&paging.rows);
+        a.push(&mut b, &paging, &out);
         // SAFETY: every row's table covers its positions and every block id is inside the
         // store (both checked on the host before the step).
-        unsafe { b.launch(cfg) }.map_err(drv)?;
+        unsafe { b.launch(a.grid(n)) }.map_err(drv)?;
         Ok(())
     }
 
@@ -442,46 +471,18 @@ impl DeviceOps for Gpu {
         out: u64,
         out_kind: Elem,
     ) -> Result<(), CudaError> {
-        shape.check().map_err(CudaError::Unsupported)?;
-        let (nh, nkv, hd) = (
-            shape.n_heads as i32,
-            shape.n_kv_heads as i32,
-            shape.head_dim as i32,
-        );
-        let scale = 1.0 / (shape.head_dim as f32).sqrt();
-        let (kvc, oc) = (kv_kind.code(), out_kind.code());
-        let (bs, stride, loff) = (
-            paging.block_size as i32,
-            paging.block_stride as i64,
-            paging.layer_off as i64,
-        );
+        let a = AttnArgs::new(kv_kind, paging, shape, out_kind)?;
         let mut b = self.stream.launch_builder(&self.k.attention_prefill);
         b.arg(&q)
             .arg(&kc)
             .arg(&vc)
-            .arg(&kvc)
+            .arg(&a.kv_kind)
             .arg(&tiles.row0)
-            .arg(&tiles.count)
-            .arg(&paging.pos)
-            .arg(&paging.table_off)
-            .arg(&paging.tables)
-            .arg(&bs)
-            .arg(&stride)
-            .arg(&loff)
-            .arg(&nh)
-            .arg(&nkv)
-            .arg(&hd)
-            .arg(&scale)
-            .arg(&out)
-            .arg(&oc);
-        let cfg = LaunchConfig {
-            grid_dim: (tiles.n as u32, shape.n_kv_heads as u32, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
+            .arg(&tiles.count);
+        a.push(&mut b, &paging, &out);
         // SAFETY: tiles hold consecutive rows of one sequence whose tables cover their
         // positions (built and checked on the host).
-        unsafe { b.launch(cfg) }.map_err(drv)?;
+        unsafe { b.launch(a.grid(tiles.n)) }.map_err(drv)?;
         Ok(())
     }
 
