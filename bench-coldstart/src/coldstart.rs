@@ -223,11 +223,12 @@ fn one(argv: &[String], port: u16, thaw: bool, max_tokens: usize) -> Result<Run>
 }
 
 /// Load floor: seconds to read `files` into one reused buffer — from the page cache, or with
-/// `cold`, from the disk after evicting them (best of 3).
+/// `cold`, from the disk after evicting them (best of 3 warm; one pass cold, where a pass is long
+/// and an 8B checkpoint's three would be 48 GB of disk reads).
 fn load_floor(files: &[PathBuf], cold: bool) -> Result<f64> {
     let mut buf = vec![0u8; 16 << 20];
     let mut best = f64::INFINITY;
-    for _ in 0..3 {
+    for _ in 0..if cold { 1 } else { 3 } {
         if cold {
             crate::load::evict(files);
         }

@@ -196,7 +196,7 @@ pub fn run(a: SynthArgs) -> Result<()> {
     let n = shards.len();
     let mut weight_map = serde_json::Map::new();
     let mut total = 0u64;
-    let mut state = a.seed.max(1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut jobs = vec![];
     for (si, idx) in shards.iter().enumerate() {
         let file = if n == 1 {
             "model.safetensors".to_string()
@@ -221,23 +221,46 @@ pub fn run(a: SynthArgs) -> Result<()> {
         while (8 + h.len()) % 8 != 0 {
             h.push(' ');
         }
-        let path = a.out.join(&file);
-        let mut w = BufWriter::with_capacity(8 << 20, std::fs::File::create(&path)?);
-        w.write_all(&(h.len() as u64).to_le_bytes())?;
-        w.write_all(h.as_bytes())?;
-        let mut buf = vec![0u8; 8 << 20];
-        for &i in idx {
-            let (_, sh, norm) = &all[i];
-            let mut left = sh.iter().product::<usize>() * esz as usize;
-            while left > 0 {
-                let k = left.min(buf.len());
-                fill(&mut buf[..k], &a.dtype, *norm, &mut state);
-                w.write_all(&buf[..k])?;
-                left -= k;
-            }
-        }
-        w.flush()?;
+        // Each shard its own random stream, so shards are written in parallel (an 8B
+        // checkpoint is 16 GB: on a GPU host this is lease time).
+        let state = (a.seed.max(1) + si as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        jobs.push((a.out.join(&file), h, idx.clone(), state));
     }
+    std::thread::scope(|scope| -> Result<()> {
+        let handles: Vec<_> = jobs
+            .iter()
+            .map(|(path, h, idx, state)| {
+                let all = &all;
+                let dtype = a.dtype.as_str();
+                let mut state = *state;
+                scope.spawn(move || -> Result<()> {
+                    let file = std::fs::File::create(path)
+                        .with_context(|| format!("creating {}", path.display()))?;
+                    let mut w = BufWriter::with_capacity(8 << 20, file);
+                    w.write_all(&(h.len() as u64).to_le_bytes())?;
+                    w.write_all(h.as_bytes())?;
+                    let mut buf = vec![0u8; 8 << 20];
+                    for &i in idx {
+                        let (_, sh, norm) = &all[i];
+                        let mut left = sh.iter().product::<usize>() * esz as usize;
+                        while left > 0 {
+                            let k = left.min(buf.len());
+                            fill(&mut buf[..k], dtype, *norm, &mut state);
+                            w.write_all(&buf[..k])?;
+                            left -= k;
+                        }
+                    }
+                    w.flush()?;
+                    Ok(())
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join()
+                .map_err(|_| anyhow::anyhow!("a shard writer panicked"))??;
+        }
+        Ok(())
+    })?;
     if n > 1 {
         std::fs::write(
             a.out.join("model.safetensors.index.json"),
