@@ -91,7 +91,7 @@ mkdir -p "$work"
 # The PTX cache outside $OUT (only a few result files come back from there).
 export THAW_HOME="$work/home"
 mkdir -p "$THAW_HOME/ptx"
-cp "$dist"/ptx/*.ptx "$THAW_HOME/ptx/" 2>/dev/null || true
+cp "$dist"/ptx/*.ptx "$dist"/ptx/*.cubin "$THAW_HOME/ptx/" 2>/dev/null || true
 # Each stage under its own time limit: a hung kernel costs that stage, not the whole lease.
 lim() { local s=$1; shift; timeout --kill-after=5 "$s" "$@"; }
 
@@ -106,11 +106,13 @@ done
 echo "== synthetic checkpoints in $work ($(( $(date +%s) - t0 )) s)"
 [ -f "$work/small-f32/config.json" ] || lim 120 "$dist/bench-coldstart" synth --shape smollm2-135m --dtype f32 --out "$work/small-f32"
 [ -f "$work/small-bf16/config.json" ] || lim 120 "$dist/bench-coldstart" synth --shape smollm2-135m --dtype bf16 --out "$work/small-bf16"
+# The same bf16 values widened to f32: the reference the bf16 check measures both backends by.
+[ -f "$work/small-bf16-ref/config.json" ] || lim 120 "$dist/bench-coldstart" synth --shape smollm2-135m --dtype f32-from-bf16 --out "$work/small-bf16-ref"
 big="${GPU_CHECK_BIG_SHAPE:-llama-3-8b}"  # a smaller shape only for dry runs of this script
 [ -f "$work/$big/config.json" ] || lim 120 "$dist/bench-coldstart" synth --shape "$big" --dtype bf16 --out "$work/$big"
 
 echo "== bench-coldstart gpu ($(( $(date +%s) - t0 )) s)"
-lim 300 "$dist/bench-coldstart" gpu --check "$work/small-f32" --check "$work/small-bf16" \
+lim 300 "$dist/bench-coldstart" gpu --check "$work/small-f32" --check "$work/small-bf16=$work/small-bf16-ref" \
     --big "$work/$big" --out "$out/gpu-check.json" || status=1
 
 echo "== thaw serve --device cuda, end to end ($(( $(date +%s) - t0 )) s)"

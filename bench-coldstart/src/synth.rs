@@ -13,6 +13,8 @@ pub struct SynthArgs {
     /// llama-3-8b, llama-3-1b or smollm2-135m.
     #[arg(long)]
     shape: String,
+    /// bf16, f16, f32, or f32-from-bf16 (the bf16 checkpoint of the same seed, widened
+    /// exactly: a reference for its precision; shard sizes must give the same shards).
     #[arg(long, default_value = "bf16")]
     dtype: String,
     #[arg(long)]
@@ -141,6 +143,23 @@ fn fill(out: &mut [u8], dtype: &str, norm: bool, state: &mut u64) {
                 c.copy_from_slice(&v.to_le_bytes());
             }
         }
+        "f32-from-bf16" => {
+            // The bf16 checkpoint's values (same stream, same bit patterns) widened to f32
+            // exactly: an f32 reference for a bf16 model's precision.
+            for c in out.chunks_exact_mut(16) {
+                let r = next();
+                for j in 0..4 {
+                    let m = ((r >> (16 * j)) & 0xffff) as u16;
+                    let bits: u16 = if norm {
+                        0x3f80 | (m & 0x000f)
+                    } else {
+                        (m & 0x8000) | 0x3c00 | (m & 0x01ff)
+                    };
+                    let v = f32::from_bits((bits as u32) << 16);
+                    c[4 * j..4 * j + 4].copy_from_slice(&v.to_le_bytes());
+                }
+            }
+        }
         _ => {
             // bf16/f16 bit patterns built directly: sign, a small exponent, random mantissa.
             for c in out.chunks_exact_mut(8) {
@@ -170,8 +189,8 @@ pub fn run(a: SynthArgs) -> Result<()> {
     let (esz, st_dtype, torch) = match a.dtype.as_str() {
         "bf16" => (2, "BF16", "bfloat16"),
         "f16" => (2, "F16", "float16"),
-        "f32" => (4, "F32", "float32"),
-        d => bail!("unknown dtype '{d}' (bf16, f16, f32)"),
+        "f32" | "f32-from-bf16" => (4, "F32", "float32"),
+        d => bail!("unknown dtype '{d}' (bf16, f16, f32, f32-from-bf16)"),
     };
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     for e in std::fs::read_dir(&a.out)?.flatten() {

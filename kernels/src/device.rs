@@ -84,6 +84,20 @@ pub struct Tiles {
 /// Query rows per prefill tile (one warp each).
 pub const PREFILL_TILE: usize = 4;
 
+/// Most rows the matrix-vector kernel (`gemv` in kernels.cu) takes in one launch.
+pub const GEMV_MAX_ROWS: usize = 8;
+
+/// Whether [`DeviceOps::gemv`] takes this product: 1..=`max_rows` rows (at most
+/// [`GEMV_MAX_ROWS`]), rows of a multiple of 4 elements, W and x 8-byte aligned (its loads are 4
+/// elements of 16 bits, or two pairs of f32). Others go to [`DeviceOps::gemm`].
+pub fn gemv_fits(w: u64, x: u64, in_dim: usize, n: usize, max_rows: usize) -> bool {
+    n >= 1
+        && n <= max_rows.min(GEMV_MAX_ROWS)
+        && in_dim.is_multiple_of(4)
+        && w.is_multiple_of(8)
+        && x.is_multiple_of(8)
+}
+
 /// A column-major GEMM call (cuBLAS's convention): `C[m×n] = op(A)·op(B) + beta·C` with
 /// `op(A)[i][l] = A[l + i·lda]` when `transa` (else `A[i + l·lda]`), likewise for B, and
 /// `C[i][j]` at `i + j·ldc`.
@@ -234,6 +248,20 @@ pub trait DeviceOps: Send + Sync + 'static {
     /// kind, y f32, f32 accumulation.
     #[allow(clippy::too_many_arguments)]
     fn gemm(
+        &self,
+        w: u64,
+        w_kind: Elem,
+        out_dim: usize,
+        in_dim: usize,
+        x: u64,
+        n: usize,
+        y: u64,
+        beta: f32,
+    ) -> Result<(), Self::Error>;
+    /// The same product for decode-sized `n` by the matrix-vector kernel, which reads W once at
+    /// memory speed whatever `n` is; only where [`gemv_fits`] says so.
+    #[allow(clippy::too_many_arguments)]
+    fn gemv(
         &self,
         w: u64,
         w_kind: Elem,

@@ -530,3 +530,74 @@ fn argmax_rows_picks_the_first_maximum() {
         }
     }
 }
+
+/// The decode matrix-vector kernel against the GEMM (the emulator's GEMM is cuBLAS's definition
+/// in f64) for each weight kind, 1..=8 rows, widths that are and are not multiples of its
+/// 128-element stride, with beta 0 (y never read: it starts NaN) and beta 1 (accumulate into
+/// the residual); and what it refuses.
+#[test]
+fn gemv_matches_the_gemm_for_decode_rows() {
+    use emu::device::Emu;
+    use thaw_kernels::device::{gemv_fits, DeviceBuf, DeviceOps, Elem, GEMV_MAX_ROWS};
+    let dev = Emu;
+    let mut r = Rng(77);
+    for kind in [Elem::F32, Elem::Bf16, Elem::F16] {
+        for (out_dim, in_dim) in [(37usize, 64usize), (5, 260), (60, 1028)] {
+            // (Small enough that the emulator runs the kernel, not the GEMM's definition.)
+            assert!(out_dim * in_dim <= emu::device::EMU_GEMV_MAX_ELEMS);
+            let enc = |v: &[f32]| -> Vec<u8> {
+                match kind {
+                    Elem::F32 => as_bytes(v).to_vec(),
+                    Elem::Bf16 => v
+                        .iter()
+                        .flat_map(|x| bf16::from_f32(*x).to_bits().to_le_bytes())
+                        .collect(),
+                    Elem::F16 => v
+                        .iter()
+                        .flat_map(|x| f16::from_f32(*x).to_bits().to_le_bytes())
+                        .collect(),
+                }
+            };
+            let w = enc(&r.vec(out_dim * in_dim));
+            let mut wd = dev.alloc(w.len()).unwrap();
+            dev.upload(&mut wd, 0, &w).unwrap();
+            for rows in [1usize, 3, GEMV_MAX_ROWS] {
+                let x = enc(&r.vec(rows * in_dim));
+                let mut xd = dev.alloc(x.len()).unwrap();
+                dev.upload(&mut xd, 0, &x).unwrap();
+                assert!(gemv_fits(wd.ptr(), xd.ptr(), in_dim, rows, GEMV_MAX_ROWS));
+                let y0 = r.vec(rows * out_dim);
+                for beta in [0.0f32, 1.0] {
+                    let start: Vec<f32> = if beta == 0.0 {
+                        vec![f32::NAN; y0.len()]
+                    } else {
+                        y0.clone()
+                    };
+                    let mut got_d = dev.alloc(start.len() * 4).unwrap();
+                    let mut want_d = dev.alloc(start.len() * 4).unwrap();
+                    dev.upload(&mut got_d, 0, as_bytes(&start)).unwrap();
+                    dev.upload(&mut want_d, 0, as_bytes(&start)).unwrap();
+                    let (wp, xp) = (wd.ptr(), xd.ptr());
+                    dev.gemv(wp, kind, out_dim, in_dim, xp, rows, got_d.ptr(), beta)
+                        .unwrap();
+                    dev.gemm(wp, kind, out_dim, in_dim, xp, rows, want_d.ptr(), beta)
+                        .unwrap();
+                    let mut got = vec![0u8; start.len() * 4];
+                    let mut want = vec![0u8; start.len() * 4];
+                    dev.download(&got_d, 0, &mut got).unwrap();
+                    dev.download(&want_d, 0, &mut want).unwrap();
+                    let what = format!("{kind:?} {out_dim}x{in_dim}, {rows} rows, beta {beta}");
+                    assert_close(&f32s(&got), &f32s(&want), 1e-5, &what);
+                }
+            }
+        }
+    }
+    // Refused: too many rows, a width not a multiple of 4, misaligned operands.
+    let a = dev.alloc(4096).unwrap().ptr();
+    assert!(!gemv_fits(a, a, 64, GEMV_MAX_ROWS + 1, GEMV_MAX_ROWS));
+    assert!(!gemv_fits(a, a, 64, 4, 3));
+    assert!(!gemv_fits(a, a, 62, 1, GEMV_MAX_ROWS));
+    assert!(!gemv_fits(a + 4, a, 64, 1, GEMV_MAX_ROWS));
+    assert!(!gemv_fits(a, a + 2, 64, 1, GEMV_MAX_ROWS));
+    assert!(dev.gemv(a + 4, Elem::F32, 4, 64, a, 1, a, 0.0).is_err());
+}

@@ -30,12 +30,23 @@ unsafe impl Send for PinnedBuf {}
 unsafe impl Sync for PinnedBuf {}
 
 impl PinnedBuf {
-    pub fn new(ctx: &Arc<CudaContext>, len: usize) -> Result<PinnedBuf, LoadError> {
+    /// `write_combined`: the CPU's writes skip its caches (no read-for-ownership of the
+    /// buffer), but its reads are uncached and slow — only where nothing on the host reads the
+    /// staged bytes (no integrity check).
+    pub fn new(
+        ctx: &Arc<CudaContext>,
+        len: usize,
+        write_combined: bool,
+    ) -> Result<PinnedBuf, LoadError> {
+        use cudarc::driver::sys::{CU_MEMHOSTALLOC_PORTABLE, CU_MEMHOSTALLOC_WRITECOMBINED};
+        let flags = CU_MEMHOSTALLOC_PORTABLE
+            | if write_combined {
+                CU_MEMHOSTALLOC_WRITECOMBINED
+            } else {
+                0
+            };
         // SAFETY: the memory is uninitialized until a read fills it; nothing reads it before.
-        let mut mem = unsafe {
-            ctx.alloc_pinned_with_flags::<u8>(len, cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE)
-        }
-        .map_err(cuda_err)?;
+        let mut mem = unsafe { ctx.alloc_pinned_with_flags::<u8>(len, flags) }.map_err(cuda_err)?;
         let ptr = mem.as_mut_ptr().map_err(cuda_err)?;
         Ok(PinnedBuf {
             _mem: mem,
@@ -125,21 +136,42 @@ pub struct DeviceLoad {
     pub copy_s: f64,
 }
 
-/// Loads `ck` into device memory through `ring` pinned buffers of the plan's chunk size.
+/// The pinned staging ring's shape.
+#[derive(Debug, Clone, Copy)]
+pub struct Staging {
+    /// Pinned buffers of the plan's chunk size (reads in flight ≤ this).
+    pub buffers: usize,
+    /// Write-combined buffers, where no integrity check reads them on the host.
+    pub write_combined: bool,
+}
+
+impl Default for Staging {
+    fn default() -> Self {
+        Staging {
+            buffers: 8,
+            write_combined: false,
+        }
+    }
+}
+
+/// Loads `ck` into device memory through a ring of pinned buffers of the plan's chunk size.
 pub fn load_to_device(
     ck: &Checkpoint,
     opts: &LoadOptions,
     ctx: &Arc<CudaContext>,
-    ring: usize,
+    staging: Staging,
 ) -> Result<DeviceLoad, LoadError> {
     let t = std::time::Instant::now();
     // Chunks are the manifest's size when there is one (its hashes are per chunk).
-    let chunk = match crate::Manifest::read(&ck.dir)? {
-        Some(m) if opts.verify != crate::Verify::Off => m.chunk_size,
-        _ => opts.chunk_size,
+    let manifest = match opts.verify {
+        crate::Verify::Off => None,
+        _ => crate::Manifest::read(&ck.dir)?,
     };
-    let bufs = (0..ring.max(2))
-        .map(|_| PinnedBuf::new(ctx, chunk as usize))
+    let chunk = manifest.as_ref().map_or(opts.chunk_size, |m| m.chunk_size);
+    // Write-combined staging only where no hash is computed over the staged bytes.
+    let wc = staging.write_combined && manifest.is_none();
+    let bufs = (0..staging.buffers.max(2))
+        .map(|_| PinnedBuf::new(ctx, chunk as usize, wc))
         .collect::<Result<Vec<_>, _>>()?;
     let mut dest = StagingRing::new(bufs, CudaCopy::new(ctx)?);
     let alloc_s = t.elapsed().as_secs_f64();

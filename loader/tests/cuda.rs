@@ -42,7 +42,16 @@ fn checkpoint_reaches_device_memory_intact() {
         verify: Verify::Off,
         ..LoadOptions::default()
     };
-    let l = thaw_loader::cuda::load_to_device(&ck, &opts, &ctx, 3).unwrap();
+    let l = thaw_loader::cuda::load_to_device(
+        &ck,
+        &opts,
+        &ctx,
+        thaw_loader::cuda::Staging {
+            buffers: 3,
+            write_combined: false,
+        },
+    )
+    .unwrap();
     let stream = ctx.default_stream();
     let back = stream.clone_dtoh(&l.shards[0]).unwrap();
     let s = &l.plan.shards[0];

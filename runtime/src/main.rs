@@ -361,17 +361,22 @@ fn run(cli: Cli) -> Result<()> {
                     .split_once('.')
                     .and_then(|(x, y)| Some((x.parse::<i32>().ok()?, y.parse::<i32>().ok()?)))
                     .with_context(|| format!("--arch '{a}': expected MAJOR.MINOR, e.g. 9.0"))?;
-                let p = thaw_kernels::cuda::compile::compile_cached((major, minor), Some(&dir))?;
-                eprintln!(
-                    "sm_{major}{minor}: {} in {:.0} ms → {}",
-                    if p.cache_hit {
-                        "already cached"
-                    } else {
-                        "compiled"
-                    },
-                    p.seconds * 1e3,
-                    dir.display()
-                );
+                // The cubin (what a cold start loads) and the PTX (for the driver to compile
+                // where the cubin does not fit the GPU).
+                use thaw_kernels::cuda::compile::{compile_cached, Form};
+                for form in [Form::Cubin, Form::Ptx] {
+                    let p = compile_cached((major, minor), form, Some(&dir))?;
+                    eprintln!(
+                        "sm_{major}{minor} {form:?}: {} in {:.0} ms → {}",
+                        if p.cache_hit {
+                            "already cached"
+                        } else {
+                            "compiled"
+                        },
+                        p.seconds * 1e3,
+                        dir.display()
+                    );
+                }
             }
         }
         Cmd::Manifest { dir, chunk_size } => {

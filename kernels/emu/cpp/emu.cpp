@@ -99,6 +99,10 @@ void thaw_emu_rope_store(unsigned rows, unsigned block, float* q, const float* k
 void thaw_emu_argmax_rows(unsigned rows, unsigned block, const float* x, int n, u32* ids) {
     launch(rows, 1, block, [=] { argmax_rows(x, n, ids); });
 }
+void thaw_emu_gemv(unsigned grid, unsigned block, const void* w, int w_kind, const void* x,
+                   int x_kind, int rows, int N, int K, float* y, float beta) {
+    launch(grid, 1, block, [=] { gemv(w, w_kind, x, x_kind, rows, N, K, y, beta); });
+}
 void thaw_emu_attention(unsigned rows, unsigned kv_heads, const float* q, const void* kc,
                         const void* vc, int kv_kind, const u32* rows_map, const u32* pos,
                         const u32* table_off, const u32* tables, int block_size, i64 block_stride,

@@ -25,6 +25,12 @@ extern emu_uint3 gridDim;
 struct float4 {
     float x, y, z, w;
 };
+struct float2 {
+    float x, y;
+};
+struct uint2 {
+    unsigned x, y;
+};
 inline float4 make_float4(float a, float b, float c, float d) { return float4{a, b, c, d}; }
 
 inline float __uint_as_float(unsigned u) {

@@ -33,6 +33,9 @@ impl std::error::Error for EmuError {}
 /// The emulated device.
 pub struct Emu;
 
+/// Largest weight matrix (elements) the emulator runs through the `gemv` kernel itself.
+pub const EMU_GEMV_MAX_ELEMS: usize = 1 << 16;
+
 // Every emulated thread is an OS thread: blocks here are small (the kernels take any
 // multiple of 32 but attention's 128; `tests/cuda_emu.rs` covers the GPU's sizes) and
 // grid-stride kernels get few blocks.
@@ -370,6 +373,49 @@ impl DeviceOps for Emu {
                 }
             }
         }
+        Ok(())
+    }
+    fn gemv(
+        &self,
+        w: u64,
+        w_kind: Elem,
+        out_dim: usize,
+        in_dim: usize,
+        x: u64,
+        n: usize,
+        y: u64,
+        beta: f32,
+    ) -> Result<(), EmuError> {
+        if !thaw_kernels::device::gemv_fits(w, x, in_dim, n, thaw_kernels::device::GEMV_MAX_ROWS) {
+            return Err(EmuError(format!(
+                "gemv of {n} rows of {in_dim}: unsupported"
+            )));
+        }
+        // Each output ends in a warp reduction, which the emulator does with OS-thread barriers
+        // (~10 µs each): a SmolLM2-sized LM head would take minutes. Large products therefore
+        // take the GEMM's definition (the same contract); the kernel itself runs for the small
+        // ones — the tiny models' every decode product, and the kernel tests.
+        if out_dim * in_dim > EMU_GEMV_MAX_ELEMS {
+            return self.gemm(w, w_kind, out_dim, in_dim, x, n, y, beta);
+        }
+        // A small grid (the kernel strides outputs over its warps): every emulated thread is an
+        // OS thread.
+        // SAFETY: W holds out·in elements, x n·in, y n·out f32 (the caller's buffers).
+        unsafe {
+            super::thaw_emu_gemv(
+                2,
+                128,
+                w as *const u8,
+                w_kind.code(),
+                x as *const u8,
+                w_kind.code(),
+                n as i32,
+                out_dim as i32,
+                in_dim as i32,
+                y as *mut f32,
+                beta,
+            )
+        };
         Ok(())
     }
 }

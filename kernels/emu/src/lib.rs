@@ -78,6 +78,19 @@ extern "C" {
         layer_off: I64,
     );
     fn thaw_emu_argmax_rows(rows: u32, block: u32, x: *const f32, n: i32, ids: *mut u32);
+    fn thaw_emu_gemv(
+        grid: u32,
+        block: u32,
+        w: *const u8,
+        w_kind: i32,
+        x: *const u8,
+        x_kind: i32,
+        rows: i32,
+        n: i32,
+        k: i32,
+        y: *mut f32,
+        beta: f32,
+    );
     fn thaw_emu_attention(
         rows: u32,
         kv_heads: u32,

@@ -16,7 +16,6 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchArgs, LaunchConfig,
     PushKernelArg,
 };
-use cudarc::nvrtc::Ptx;
 
 use super::{compile, CudaError, DeviceInfo};
 use crate::device::{AttnDims, DeviceBuf, DeviceOps, Elem, GemmCall, Paging, Tiles};
@@ -81,6 +80,7 @@ struct Kernels {
     attention: CudaFunction,
     attention_prefill: CudaFunction,
     argmax_rows: CudaFunction,
+    gemv: CudaFunction,
     read_probe: CudaFunction,
 }
 
@@ -123,18 +123,18 @@ impl Gpu {
         let stream = ctx.new_stream().map_err(drv)?;
         let context_s = t.elapsed().as_secs_f64();
         let arch = info.compute_capability;
-        let mut ptx = compile::compile_cached(arch, ptx_cache)?;
+        let mut image = compile::module_image(arch, ptx_cache)?;
         let t = Instant::now();
-        let module = match ctx.load_module(Ptx::from_src(ptx.ptx.clone())) {
+        let module = match ctx.load_module(image.module_input()) {
             Ok(m) => m,
-            Err(_) if ptx.cache_hit => {
-                // A cached PTX the driver refuses (e.g. written by a newer NVRTC): compile anew.
+            Err(_) if image.cache_hit => {
+                // A cached image the driver refuses (e.g. written by a newer NVRTC): compile
+                // anew.
                 if let Some(dir) = ptx_cache {
-                    compile::forget(arch, dir);
+                    compile::forget(arch, image.form, dir);
                 }
-                ptx = compile::compile_cached(arch, ptx_cache)?;
-                ctx.load_module(Ptx::from_src(ptx.ptx.clone()))
-                    .map_err(drv)?
+                image = compile::module_image(arch, ptx_cache)?;
+                ctx.load_module(image.module_input()).map_err(drv)?
             }
             Err(e) => return Err(drv(e)),
         };
@@ -149,6 +149,7 @@ impl Gpu {
             attention: f("attention")?,
             attention_prefill: f("attention_prefill")?,
             argmax_rows: f("argmax_rows")?,
+            gemv: f("gemv")?,
             read_probe: f("read_probe")?,
         };
         // SAFETY: only probes whether the library can be opened (cudarc panics on a call into a
@@ -169,8 +170,8 @@ impl Gpu {
             info,
             init: GpuInit {
                 context_s,
-                compile_s: ptx.seconds,
-                compile_cache_hit: ptx.cache_hit,
+                compile_s: image.seconds,
+                compile_cache_hit: image.cache_hit,
                 module_s,
             },
         })
@@ -544,5 +545,45 @@ impl DeviceOps for Gpu {
             )
         }
         .map_err(drv)
+    }
+    /// One warp per output (4 per block of 128 threads), x in W's kind.
+    #[allow(clippy::too_many_arguments)]
+    fn gemv(
+        &self,
+        w: u64,
+        w_kind: Elem,
+        out_dim: usize,
+        in_dim: usize,
+        x: u64,
+        n: usize,
+        y: u64,
+        beta: f32,
+    ) -> Result<(), CudaError> {
+        if !crate::device::gemv_fits(w, x, in_dim, n, crate::device::GEMV_MAX_ROWS) {
+            return Err(CudaError::Unsupported(format!(
+                "gemv of {n} rows of {in_dim} (W at {w:#x}, x at {x:#x})"
+            )));
+        }
+        let kind = w_kind.code();
+        let (rows, out, inn) = (n as i32, out_dim as i32, in_dim as i32);
+        let mut b = self.stream.launch_builder(&self.k.gemv);
+        b.arg(&w)
+            .arg(&kind)
+            .arg(&x)
+            .arg(&kind)
+            .arg(&rows)
+            .arg(&out)
+            .arg(&inn)
+            .arg(&y)
+            .arg(&beta);
+        let cfg = LaunchConfig {
+            grid_dim: (out_dim.div_ceil(4) as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: W holds out·in elements of w_kind, x n·in, y n·out f32 (the caller's
+        // buffers); alignment and sizes checked above.
+        unsafe { b.launch(cfg) }.map_err(drv)?;
+        Ok(())
     }
 }

@@ -372,6 +372,75 @@ KERNEL void argmax_rows(const float* x, int n, u32* ids) {
     if (t == 0) ids[blockIdx.x] = si[0] == 0x7fffffff ? 0u : (u32)si[0];
 }
 
+// Four consecutive elements of kind `kind` from element `i` (8-byte aligned for 16-bit kinds,
+// two 8-byte loads for f32) as f32.
+__device__ __forceinline__ void load4(const void* p, i64 i, int kind, float* out) {
+    if (kind == 0) {
+        const float2* q = (const float2*)((const float*)p + i);
+        float2 a = q[0], b = q[1];
+        out[0] = a.x; out[1] = a.y; out[2] = b.x; out[3] = b.y;
+        return;
+    }
+    uint2 v = *(const uint2*)((const u16*)p + i);
+    u16 h[4] = {(u16)(v.x & 0xffffu), (u16)(v.x >> 16), (u16)(v.y & 0xffffu), (u16)(v.y >> 16)};
+    #pragma unroll
+    for (int j = 0; j < 4; j++) out[j] = kind == 1 ? bf16_to_f32(h[j]) : f16_to_f32(h[j]);
+}
+
+// Matrix-vector products for decode: `y[r, n] = Σ_k W[n, k]·x[r, k] + beta·y[r, n]` for
+// r < rows ≤ GEMV_MAX_ROWS, W `[N, K]` row-major, x in `x_kind`, y f32, f32 accumulation.
+// A decode step is a read of every weight once; a GEMM library tiles a one-row product over
+// too few blocks to keep HBM busy. Here one warp owns one output n: its lanes read the weight
+// row in 256-byte coalesced pieces, four pieces in flight before the first multiply, and every
+// batch row reuses each weight element from registers. K a multiple of 4, W and x 8-byte
+// aligned (the caller checks).
+#define GEMV_MAX_ROWS 8
+KERNEL void gemv(const void* w, int w_kind, const void* x, int x_kind, int rows, int N, int K,
+                 float* y, float beta) {
+    int lane = threadIdx.x & 31;
+    int warps = (int)(((i64)gridDim.x * blockDim.x) >> 5);
+    const int groups = K >> 2;
+    // Outputs strided over the grid's warps (the emulator runs a small grid; a GPU launch has a
+    // warp per output). The bound is the same for a whole warp, so its shuffles stay together.
+    for (int n = (int)((blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5); n < N; n += warps) {
+        float acc[GEMV_MAX_ROWS];
+        #pragma unroll
+        for (int r = 0; r < GEMV_MAX_ROWS; r++) acc[r] = 0.0f;
+        const i64 wrow = (i64)n * K;
+        for (int g0 = lane; g0 < groups; g0 += 32 * 4) {
+            float wv[4][4];
+            #pragma unroll
+            for (int u = 0; u < 4; u++) {
+                int g = g0 + 32 * u;
+                if (g < groups) load4(w, wrow + 4 * (i64)g, w_kind, wv[u]);
+            }
+            #pragma unroll
+            for (int r = 0; r < GEMV_MAX_ROWS; r++) {
+                if (r >= rows) break;
+                #pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    int g = g0 + 32 * u;
+                    if (g < groups) {
+                        float xv[4];
+                        load4(x, (i64)r * K + 4 * (i64)g, x_kind, xv);
+                        acc[r] += wv[u][0] * xv[0] + wv[u][1] * xv[1] + wv[u][2] * xv[2] +
+                                  wv[u][3] * xv[3];
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (int r = 0; r < GEMV_MAX_ROWS; r++) {
+            if (r >= rows) break;
+            float v = warp_sum(acc[r]);
+            if (lane == 0) {
+                i64 o = (i64)r * N + n;
+                y[o] = beta == 0.0f ? v : v + beta * y[o];
+            }
+        }
+    }
+}
+
 // Device-memory read bandwidth probe: sums `n` floats (each thread a strided slice), so the
 // roofline is measured on the device in the same run as the decode it bounds.
 KERNEL void read_probe(const float4* p, i64 n4, float* sink) {

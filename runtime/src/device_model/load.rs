@@ -3,11 +3,11 @@
 //! addresses, widened norms and KV policy both share.
 
 use std::path::Path;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicUsize};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use thaw_kernels::device::{AttnDims, DeviceBuf, DeviceOps, Elem};
+use thaw_kernels::device::{AttnDims, DeviceBuf, DeviceOps, Elem, GEMV_MAX_ROWS};
 use thaw_loader::{Checkpoint, Dtype, LoadStats, TensorEntry};
 
 #[cfg(feature = "cuda")]
@@ -26,9 +26,10 @@ impl DeviceLlama<thaw_kernels::cuda::Gpu> {
         ordinal: usize,
     ) -> Result<Self, RuntimeError> {
         use thaw_kernels::cuda::{DevBuf, Gpu};
+        use thaw_loader::cuda::Staging;
         let (cfg, ck, t) = open(dir)?;
         let gpu = Arc::new(Gpu::open(ordinal, ptx_cache_dir().as_deref()).map_err(dev_err)?);
-        let loaded = thaw_loader::cuda::load_to_device(&ck, opts, &gpu.ctx, 8)
+        let loaded = thaw_loader::cuda::load_to_device(&ck, opts, &gpu.ctx, Staging::default())
             .map_err(RuntimeError::from)?;
         let offsets: Vec<u64> = loaded.plan.shards.iter().map(|s| s.data_offset()).collect();
         let shards: Vec<DevBuf> = loaded
@@ -192,6 +193,12 @@ impl<D: DeviceOps> DeviceLlama<D> {
             dev,
             tiled_prefill: AtomicBool::new(
                 std::env::var("THAW_CUDA_PREFILL").as_deref() != Ok("paged"),
+            ),
+            gemv_max_rows: AtomicUsize::new(
+                std::env::var("THAW_CUDA_GEMV_ROWS")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(GEMV_MAX_ROWS),
             ),
         })
     }

@@ -16,16 +16,20 @@
 //!   gate/up GEMMs, SiLU·mul, down GEMM accumulated into the residual) → final norm of the
 //!   picked rows → LM head (→ argmax on the device for all-greedy steps). One synchronization
 //!   per step: the download of the logits, or of one id per sequence.
+//! * **Decode products** (at most `GEMV_MAX_ROWS` rows) go to a matrix-vector kernel rather
+//!   than cuBLAS: a step is one read of every weight, and a GEMM library spreads a one-row
+//!   product over too few blocks to keep HBM busy (measured on an H200: see
+//!   docs/PERFORMANCE.md).
 //! * **Precision** follows the weights: bf16/f16 weights take bf16/f16 activations into cuBLAS
 //!   (f32 accumulation, tensor cores) and a bf16 KV cache, like the CPU's AVX512-BF16 path;
 //!   f32 weights stay f32 end to end (no TF32), for a tight comparison with the CPU.
 
 mod load;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use thaw_kernels::device::{AttnDims, DeviceBuf, DeviceOps, Elem, Paging, Tiles};
+use thaw_kernels::device::{gemv_fits, AttnDims, DeviceBuf, DeviceOps, Elem, Paging, Tiles};
 use thaw_loader::{Dtype, LoadStats};
 
 use crate::model::SeqChunk;
@@ -136,6 +140,10 @@ pub struct DeviceLlama<D: DeviceOps> {
     /// or [`DeviceLlama::set_tiled_prefill`] sends every row through the per-row kernel, for
     /// A/B measurements).
     tiled_prefill: AtomicBool,
+    /// Products of up to this many rows (decode steps) go to the matrix-vector kernel instead of
+    /// cuBLAS (default `GEMV_MAX_ROWS`; `THAW_CUDA_GEMV_ROWS` or
+    /// [`DeviceLlama::set_gemv_max_rows`], 0 = cuBLAS only, for A/B measurements).
+    gemv_max_rows: AtomicUsize,
 }
 
 /// The model on a CUDA GPU.
@@ -151,6 +159,11 @@ impl<D: DeviceOps> DeviceLlama<D> {
     /// Whether prefill chunks use the flash-style tiled attention kernel.
     pub fn set_tiled_prefill(&self, on: bool) {
         self.tiled_prefill.store(on, Ordering::Relaxed);
+    }
+
+    /// Products of at most `rows` rows use the matrix-vector kernel (0: cuBLAS for all).
+    pub fn set_gemv_max_rows(&self, rows: usize) {
+        self.gemv_max_rows.store(rows, Ordering::Relaxed);
     }
 
     pub fn load_stats(&self) -> &LoadStats {
@@ -244,9 +257,14 @@ impl<D: DeviceOps> DeviceLlama<D> {
         let dims = self.dims();
         let act = self.act;
         let e = dev_err;
+        let gemv_rows = self.gemv_max_rows.load(Ordering::Relaxed);
         let gemm = |w: &Mat, x: u64, rows: usize, y: u64, beta: f32| {
-            g.gemm(w.ptr, w.kind, w.rows, w.cols, x, rows, y, beta)
-                .map_err(e)
+            if gemv_fits(w.ptr, x, w.cols, rows, gemv_rows) {
+                g.gemv(w.ptr, w.kind, w.rows, w.cols, x, rows, y, beta)
+            } else {
+                g.gemm(w.ptr, w.kind, w.rows, w.cols, x, rows, y, beta)
+            }
+            .map_err(e)
         };
         g.embed(
             self.embed.ptr,
