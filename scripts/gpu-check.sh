@@ -139,7 +139,7 @@ grep -E "cold start|loaded|error" "$out/serve.log" | head -5 || true
 echo "== cold start, fresh processes: thaw serve --device cuda vs --device cpu ($(( $(date +%s) - t0 )) s)"
 lim 120 "$dist/bench-coldstart" coldstart --model "$work/small-bf16" --runs 3 --thaw-args="--device cuda" \
     --peer "$dist/thaw serve --device cpu --model $work/small-bf16 --port {port}" --peer-label "thaw cpu" \
-    --svg "$out/coldstart-cuda.svg" 2>&1 | tee "$out/coldstart.md" || status=1
+    --svg "$work/coldstart-cuda.svg" 2>&1 | tee "$out/coldstart.md" || status=1
 
 echo "== cold start of the 8B-shaped checkpoint to first token, page cache dropped ($(( $(date +%s) - t0 )) s)"
 # The serverless figure: a fresh `thaw serve --device cuda` with the weights on disk, not in
@@ -147,7 +147,19 @@ echo "== cold start of the 8B-shaped checkpoint to first token, page cache dropp
 # the same files from the disk).
 cp "$dist"/tokenizer/* "$work/$big/"
 lim 150 "$dist/bench-coldstart" coldstart --model "$work/$big" --runs 2 --cold --thaw-args="--device cuda" \
-    --svg "$out/coldstart-big.svg" 2>&1 | tee "$out/coldstart-big.md" || status=1
+    --svg "$work/coldstart-big.svg" 2>&1 | tee "$out/coldstart-big.md" || status=1
+
+echo "== ncu: GPU time per kernel of one batch-1 decode step, matrix-vector kernel vs cuBLAS ($(( $(date +%s) - t0 )) s)"
+ncu_bin=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1 || true)
+if [ -n "$ncu_bin" ]; then
+    lim 150 "$ncu_bin" --clock-control none --metrics gpu__time_duration.sum --csv \
+        --log-file "$out/ncu.csv" "$dist/bench-coldstart" gpu --big "$work/$big" --profile \
+        --steps 1 --out "$work/profile.json" > "$work/ncu-run.log" 2>&1 || echo "ncu: exit $?"
+    grep "profile:" "$work/ncu-run.log" || tail -5 "$work/ncu-run.log"
+    python3 scripts/ncu-summary.py "$out/ncu.csv" || true
+else
+    echo "no ncu here"
+fi
 
 echo "== done in $(( $(date +%s) - t0 )) s, status $status; results in $out/gpu-check.json"
 exit $status

@@ -45,6 +45,10 @@ pub struct GpuArgs {
     steps: usize,
     #[arg(long)]
     out: PathBuf,
+    /// Only decode `--big` at batch 1, matrix-vector kernel then cuBLAS, `--steps` steps after a
+    /// 32-token prefill each (a short run to put under a profiler such as `ncu`).
+    #[arg(long)]
+    profile: bool,
 }
 
 fn pinned_h2d(gpu: &Gpu, bytes: usize, reps: usize) -> Result<f64> {
@@ -254,37 +258,41 @@ fn big_model(dir: &PathBuf, a: &GpuArgs, h2d: f64, read_bw: f64) -> Result<Value
     let roof1 = read_bw / wb;
     let mut dec = vec![];
     // Decode A/B in one run: the matrix-vector kernel (rows ≤ GEMV_MAX_ROWS) vs cuBLAS alone.
-    for (batch, gemv) in [
-        (1usize, true),
-        (1, false),
-        (4, true),
-        (4, false),
-        (8, true),
-        (8, false),
-        (32, true),
-    ] {
+    // "gemv" streams the weights past L1; "gemv-l1" lets them through it (the first version).
+    let modes = [
+        (1usize, "gemv"),
+        (1, "gemv-l1"),
+        (1, "cuBLAS"),
+        (2, "gemv"),
+        (2, "cuBLAS"),
+        (4, "gemv"),
+        (4, "cuBLAS"),
+        (8, "gemv"),
+        (8, "cuBLAS"),
+        (32, "cuBLAS"),
+    ];
+    for (batch, mode) in modes {
+        let gemv = mode != "cuBLAS";
         m.set_gemv_max_rows(if gemv {
             thaw_kernels::device::GEMV_MAX_ROWS
         } else {
             0
         });
+        m.device()
+            .gemv_stream_weights
+            .store(mode == "gemv", std::sync::atomic::Ordering::Relaxed);
         let r = decode_rate(&m, batch, a.steps)?;
         let roof = roof1 * batch as f64;
         println!(
-            "decode batch {batch:>2} ({}): {r:.1} tokens/s; roofline {roof:.1} ({:.0}%)",
-            if gemv && batch <= thaw_kernels::device::GEMV_MAX_ROWS {
-                "gemv"
-            } else {
-                "cuBLAS"
-            },
+            "decode batch {batch:>2} ({mode}): {r:.1} tokens/s; roofline {roof:.1} ({:.0}%)",
             100.0 * r / roof
         );
-        dec.push(
-            json!({"batch": batch, "gemv": gemv && batch <= thaw_kernels::device::GEMV_MAX_ROWS,
-                   "tokens_per_s": r, "roofline_tokens_per_s": roof,
-                   "fraction_of_roofline": r / roof}),
-        );
+        dec.push(json!({"batch": batch, "mode": mode, "tokens_per_s": r,
+                        "roofline_tokens_per_s": roof, "fraction_of_roofline": r / roof}));
     }
+    m.device()
+        .gemv_stream_weights
+        .store(true, std::sync::atomic::Ordering::Relaxed);
     m.set_gemv_max_rows(thaw_kernels::device::GEMV_MAX_ROWS);
     // Prefill attention A/B in one run: the flash-style tiled kernel vs the per-row kernel.
     let mut pre = vec![];
@@ -326,9 +334,23 @@ fn guard<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
     }
 }
 
+fn profile_decode(a: &GpuArgs) -> Result<()> {
+    let dir = a.big.as_ref().context("--profile needs --big")?;
+    let m = CudaLlama::load(dir, &LoadOptions::default(), a.device)?;
+    for (rows, mode) in [(thaw_kernels::device::GEMV_MAX_ROWS, "gemv"), (0, "cuBLAS")] {
+        m.set_gemv_max_rows(rows);
+        let r = decode_rate(&m, 1, a.steps)?;
+        println!("profile: decode batch 1 ({mode}): {r:.1} tokens/s");
+    }
+    Ok(())
+}
+
 /// Every stage runs even if an earlier one failed (its error is recorded), and the JSON is
 /// rewritten after each, so one GPU session yields everything it can.
 pub fn run(a: GpuArgs) -> Result<()> {
+    if a.profile {
+        return profile_decode(&a);
+    }
     let t_all = Instant::now();
     let mut out = json!({"checks": [], "big": null, "errors": []});
     let save = |out: &mut Value| -> Result<()> {

@@ -100,8 +100,8 @@ void thaw_emu_argmax_rows(unsigned rows, unsigned block, const float* x, int n, 
     launch(rows, 1, block, [=] { argmax_rows(x, n, ids); });
 }
 void thaw_emu_gemv(unsigned grid, unsigned block, const void* w, int w_kind, const void* x,
-                   int x_kind, int rows, int N, int K, float* y, float beta) {
-    launch(grid, 1, block, [=] { gemv(w, w_kind, x, x_kind, rows, N, K, y, beta); });
+                   int x_kind, int rows, int N, int K, float* y, float beta, int stream_w) {
+    launch(grid, 1, block, [=] { gemv(w, w_kind, x, x_kind, rows, N, K, y, beta, stream_w); });
 }
 void thaw_emu_attention(unsigned rows, unsigned kv_heads, const float* q, const void* kc,
                         const void* vc, int kv_kind, const u32* rows_map, const u32* pos,

@@ -414,6 +414,7 @@ impl DeviceOps for Emu {
                 in_dim as i32,
                 y as *mut f32,
                 beta,
+                1,
             )
         };
         Ok(())

@@ -90,6 +90,7 @@ extern "C" {
         k: i32,
         y: *mut f32,
         beta: f32,
+        stream_w: i32,
     );
     fn thaw_emu_attention(
         rows: u32,

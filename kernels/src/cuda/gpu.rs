@@ -85,6 +85,8 @@ struct Kernels {
 }
 
 pub struct Gpu {
+    /// `gemv` streams its weights past L1 (default; off only for A/B measurements).
+    pub gemv_stream_weights: std::sync::atomic::AtomicBool,
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
     blas: CudaBlas,
@@ -163,6 +165,7 @@ impl Gpu {
         let blas = CudaBlas::new(stream.clone()).map_err(drv)?;
         let module_s = t.elapsed().as_secs_f64();
         Ok(Gpu {
+            gemv_stream_weights: std::sync::atomic::AtomicBool::new(true),
             ctx,
             stream,
             blas,
@@ -566,6 +569,9 @@ impl DeviceOps for Gpu {
         }
         let kind = w_kind.code();
         let (rows, out, inn) = (n as i32, out_dim as i32, in_dim as i32);
+        let stream = self
+            .gemv_stream_weights
+            .load(std::sync::atomic::Ordering::Relaxed) as i32;
         let mut b = self.stream.launch_builder(&self.k.gemv);
         b.arg(&w)
             .arg(&kind)
@@ -575,7 +581,8 @@ impl DeviceOps for Gpu {
             .arg(&out)
             .arg(&inn)
             .arg(&y)
-            .arg(&beta);
+            .arg(&beta)
+            .arg(&stream);
         let cfg = LaunchConfig {
             grid_dim: (out_dim.div_ceil(4) as u32, 1, 1),
             block_dim: (128, 1, 1),

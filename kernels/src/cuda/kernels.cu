@@ -387,16 +387,47 @@ __device__ __forceinline__ void load4(const void* p, i64 i, int kind, float* out
     for (int j = 0; j < 4; j++) out[j] = kind == 1 ? bf16_to_f32(h[j]) : f16_to_f32(h[j]);
 }
 
+// 8 bytes of weights that no other warp reads: kept out of L1 (`L1::no_allocate`), so the
+// activations every warp re-reads stay there.
+__device__ __forceinline__ uint2 load_stream8(const void* p) {
+#ifdef THAW_CUDA_EMU
+    return *(const uint2*)p;
+#else
+    uint2 v;
+    asm("ld.global.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+#endif
+}
+
+// load4 for weights, streamed (see load_stream8) when `stream` is set.
+__device__ __forceinline__ void load4_w(const void* p, i64 i, int kind, int stream, float* out) {
+    if (!stream) {
+        load4(p, i, kind, out);
+        return;
+    }
+    if (kind == 0) {
+        uint2 a = load_stream8((const float*)p + i), b = load_stream8((const float*)p + i + 2);
+        out[0] = __uint_as_float(a.x); out[1] = __uint_as_float(a.y);
+        out[2] = __uint_as_float(b.x); out[3] = __uint_as_float(b.y);
+        return;
+    }
+    uint2 v = load_stream8((const u16*)p + i);
+    u16 h[4] = {(u16)(v.x & 0xffffu), (u16)(v.x >> 16), (u16)(v.y & 0xffffu), (u16)(v.y >> 16)};
+    #pragma unroll
+    for (int j = 0; j < 4; j++) out[j] = kind == 1 ? bf16_to_f32(h[j]) : f16_to_f32(h[j]);
+}
+
 // Matrix-vector products for decode: `y[r, n] = Σ_k W[n, k]·x[r, k] + beta·y[r, n]` for
 // r < rows ≤ GEMV_MAX_ROWS, W `[N, K]` row-major, x in `x_kind`, y f32, f32 accumulation.
 // A decode step is a read of every weight once; a GEMM library tiles a one-row product over
 // too few blocks to keep HBM busy. Here one warp owns one output n: its lanes read the weight
 // row in 256-byte coalesced pieces, four pieces in flight before the first multiply, and every
-// batch row reuses each weight element from registers. K a multiple of 4, W and x 8-byte
-// aligned (the caller checks).
+// batch row reuses each weight element from registers. Each warp re-reads x, so it must come
+// from L1: with `stream_w` the weights bypass L1 instead of evicting it. K a multiple of 4, W
+// and x 8-byte aligned (the caller checks).
 #define GEMV_MAX_ROWS 8
 KERNEL void gemv(const void* w, int w_kind, const void* x, int x_kind, int rows, int N, int K,
-                 float* y, float beta) {
+                 float* y, float beta, int stream_w) {
     int lane = threadIdx.x & 31;
     int warps = (int)(((i64)gridDim.x * blockDim.x) >> 5);
     const int groups = K >> 2;
@@ -412,7 +443,7 @@ KERNEL void gemv(const void* w, int w_kind, const void* x, int x_kind, int rows,
             #pragma unroll
             for (int u = 0; u < 4; u++) {
                 int g = g0 + 32 * u;
-                if (g < groups) load4(w, wrow + 4 * (i64)g, w_kind, wv[u]);
+                if (g < groups) load4_w(w, wrow + 4 * (i64)g, w_kind, stream_w, wv[u]);
             }
             #pragma unroll
             for (int r = 0; r < GEMV_MAX_ROWS; r++) {

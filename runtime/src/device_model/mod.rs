@@ -161,6 +161,11 @@ impl<D: DeviceOps> DeviceLlama<D> {
         self.tiled_prefill.store(on, Ordering::Relaxed);
     }
 
+    /// The device it runs on.
+    pub fn device(&self) -> &Arc<D> {
+        &self.dev
+    }
+
     /// Products of at most `rows` rows use the matrix-vector kernel (0: cuBLAS for all).
     pub fn set_gemv_max_rows(&self, rows: usize) {
         self.gemv_max_rows.store(rows, Ordering::Relaxed);
