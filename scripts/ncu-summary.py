@@ -10,7 +10,7 @@ import csv
 import sys
 from collections import OrderedDict
 
-SCALE = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
+SCALE = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3, "second": 1e6, "s": 1e6}
 
 rows = []
 with open(sys.argv[1], newline="") as f:

@@ -196,12 +196,10 @@ fn load_sweep(dir: &PathBuf, device: usize, h2d: f64) -> Result<Value> {
     let base = LoadOptions::default();
     let mut configs = vec![(def.buffers, base.chunk_size, def.write_combined)];
     for c in [
-        (16, 8 << 20, false),
-        (16, 32 << 20, false),
-        (32, 8 << 20, false),
-        (8, 8 << 20, true),
+        (8, 8 << 20, false),
+        (16, 4 << 20, false),
+        (24, 8 << 20, false),
         (16, 8 << 20, true),
-        (16, 32 << 20, true),
     ] {
         configs.push(c);
     }

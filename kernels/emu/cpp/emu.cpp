@@ -92,7 +92,9 @@ void thaw_emu_silu_mul(unsigned grid, unsigned block, const float* g, const floa
 void thaw_emu_rope_store(unsigned rows, unsigned block, float* q, const float* k, const float* v,
                          const float* cos_t, const float* sin_t, int n_heads, int n_kv, int hd,
                          void* kc, void* vc, int kv_kind, const i64* slot, i64 layer_off) {
-    launch(rows, 1, block, [=] {
+    // As the GPU launch: slices of `block` threads over the row's work.
+    unsigned slices = ((unsigned)(n_heads * (hd / 2) + n_kv * (hd / 2) + n_kv * hd) + block - 1) / block;
+    launch(rows, slices, block, [=] {
         rope_store(q, k, v, cos_t, sin_t, n_heads, n_kv, hd, kc, vc, kv_kind, slot, layer_off);
     });
 }
@@ -108,7 +110,7 @@ void thaw_emu_attention(unsigned rows, unsigned kv_heads, const float* q, const 
                         const u32* table_off, const u32* tables, int block_size, i64 block_stride,
                         i64 layer_off, int n_heads, int n_kv, int hd, float scale, void* out,
                         int out_kind) {
-    launch(rows, kv_heads, ATT_WARPS * 32, [=] {
+    launch(rows, kv_heads, DEC_WARPS * 32, [=] {
         attention(q, kc, vc, kv_kind, rows_map, pos, table_off, tables, block_size, block_stride,
                   layer_off, n_heads, n_kv, hd, scale, out, out_kind);
     });

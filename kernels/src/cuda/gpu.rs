@@ -95,6 +95,11 @@ pub struct Gpu {
     pub init: GpuInit,
 }
 
+/// Warps per block of the `attention` (decode) and `attention_prefill` kernels (kernels.cu's
+/// DEC_WARPS and ATT_WARPS).
+const DEC_WARPS: u32 = 8;
+const ATT_WARPS: u32 = 4;
+
 fn grid_1d(n: usize, block: u32) -> LaunchConfig {
     let blocks = n.div_ceil(block as usize).clamp(1, 65_535 * 4) as u32;
     LaunchConfig {
@@ -258,11 +263,12 @@ impl AttnArgs {
             .arg(&self.out_kind);
     }
 
-    /// One block of ATT_WARPS (4) warps per (row or tile, KV head).
-    fn grid(&self, n: usize) -> LaunchConfig {
+    /// One block of `warps` warps (kernels.cu: DEC_WARPS for `attention`, ATT_WARPS for
+    /// `attention_prefill`) per (row or tile, KV head).
+    fn grid(&self, n: usize, warps: u32) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (n as u32, self.n_kv as u32, 1),
-            block_dim: (128, 1, 1),
+            block_dim: (32 * warps, 1, 1),
             shared_mem_bytes: 0,
         }
     }
@@ -430,8 +436,17 @@ impl DeviceOps for Gpu {
             .arg(&code)
             .arg(&slots)
             .arg(&off);
+        // A row's query pairs, key pairs and values, in slices of 128 threads (grid.y).
+        let half = shape.head_dim / 2;
+        let work =
+            shape.n_heads * half + shape.n_kv_heads * half + shape.n_kv_heads * shape.head_dim;
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, work.div_ceil(128) as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
         // SAFETY: slots (checked on the host against the store's size) address rows inside kc/vc.
-        unsafe { b.launch(rows_cfg(n, 128)) }.map_err(drv)?;
+        unsafe { b.launch(cfg) }.map_err(drv)?;
         Ok(())
     }
 
@@ -459,7 +474,7 @@ impl DeviceOps for Gpu {
         a.push(&mut b, &paging, &out);
         // SAFETY: every row's table covers its positions and every block id is inside the
         // store (both checked on the host before the step).
-        unsafe { b.launch(a.grid(n)) }.map_err(drv)?;
+        unsafe { b.launch(a.grid(n, DEC_WARPS)) }.map_err(drv)?;
         Ok(())
     }
 
@@ -486,7 +501,7 @@ impl DeviceOps for Gpu {
         a.push(&mut b, &paging, &out);
         // SAFETY: tiles hold consecutive rows of one sequence whose tables cover their
         // positions (built and checked on the host).
-        unsafe { b.launch(a.grid(tiles.n)) }.map_err(drv)?;
+        unsafe { b.launch(a.grid(tiles.n, ATT_WARPS)) }.map_err(drv)?;
         Ok(())
     }
 

@@ -7,11 +7,16 @@ use std::sync::atomic::{AtomicBool, AtomicUsize};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use thaw_kernels::device::{AttnDims, DeviceBuf, DeviceOps, Elem, GEMV_MAX_ROWS};
+use thaw_kernels::device::{AttnDims, DeviceBuf, DeviceOps, Elem};
 use thaw_loader::{Checkpoint, Dtype, LoadStats, TensorEntry};
 
 #[cfg(feature = "cuda")]
 use super::ptx_cache_dir;
+
+/// Decode products through cuBLAS by default: on an H200 the matrix-vector kernel measured
+/// slower at every batch size (docs/PERFORMANCE.md), so it is opt-in (`THAW_CUDA_GEMV_ROWS`)
+/// until it beats cuBLAS.
+const DEFAULT_GEMV_ROWS: usize = 0;
 use super::{dev_err, elem, DevLayer, DeviceLlama, DeviceLoadPhases, Mat};
 use crate::model::{inv_freq, Tensors};
 use crate::{KvDtype, ModelConfig, RuntimeError};
@@ -198,7 +203,7 @@ impl<D: DeviceOps> DeviceLlama<D> {
                 std::env::var("THAW_CUDA_GEMV_ROWS")
                     .ok()
                     .and_then(|v| v.parse().ok())
-                    .unwrap_or(GEMV_MAX_ROWS),
+                    .unwrap_or(DEFAULT_GEMV_ROWS),
             ),
         })
     }

@@ -16,10 +16,9 @@
 //!   gate/up GEMMs, SiLU·mul, down GEMM accumulated into the residual) → final norm of the
 //!   picked rows → LM head (→ argmax on the device for all-greedy steps). One synchronization
 //!   per step: the download of the logits, or of one id per sequence.
-//! * **Decode products** (at most `GEMV_MAX_ROWS` rows) go to a matrix-vector kernel rather
-//!   than cuBLAS: a step is one read of every weight, and a GEMM library spreads a one-row
-//!   product over too few blocks to keep HBM busy (measured on an H200: see
-//!   docs/PERFORMANCE.md).
+//! * **Decode products** can go to a matrix-vector kernel instead of cuBLAS (opt-in,
+//!   `THAW_CUDA_GEMV_ROWS`): on an H200 it was slower than cuBLAS at batch 1–8 (each warp
+//!   re-reads the activations; docs/PERFORMANCE.md), so cuBLAS stays the default until it wins.
 //! * **Precision** follows the weights: bf16/f16 weights take bf16/f16 activations into cuBLAS
 //!   (f32 accumulation, tensor cores) and a bf16 KV cache, like the CPU's AVX512-BF16 path;
 //!   f32 weights stay f32 end to end (no TF32), for a tight comparison with the CPU.
@@ -141,8 +140,8 @@ pub struct DeviceLlama<D: DeviceOps> {
     /// A/B measurements).
     tiled_prefill: AtomicBool,
     /// Products of up to this many rows (decode steps) go to the matrix-vector kernel instead of
-    /// cuBLAS (default `GEMV_MAX_ROWS`; `THAW_CUDA_GEMV_ROWS` or
-    /// [`DeviceLlama::set_gemv_max_rows`], 0 = cuBLAS only, for A/B measurements).
+    /// cuBLAS (default 0, cuBLAS only: measured faster; `THAW_CUDA_GEMV_ROWS` or
+    /// [`DeviceLlama::set_gemv_max_rows`] for A/B measurements).
     gemv_max_rows: AtomicUsize,
 }
 
