@@ -188,7 +188,7 @@ fn decode_rate(m: &CudaLlama, batch: usize, steps: usize) -> Result<f64> {
 
 /// The staging ring's shape against load GB/s on `dir` (page cache warm): buffers (= reader
 /// threads), chunk size, write-combined buffers. The default first and last, for the spread.
-fn load_sweep(dir: &PathBuf, device: usize, h2d: f64) -> Result<Value> {
+fn load_sweep(dir: &std::path::Path, device: usize, h2d: f64) -> Result<Value> {
     use thaw_loader::cuda::{load_to_device, Staging};
     let ctx = cudarc::driver::CudaContext::new(device)?;
     let ck = thaw_loader::Checkpoint::open(dir)?;
