@@ -123,6 +123,15 @@ fn tensors(s: &Shape) -> Vec<(String, Vec<usize>, bool)> {
     v
 }
 
+/// A bf16 weight's bits from 16 random bits: norm weights near 1, others small with either sign.
+fn bf16_bits(m: u16, norm: bool) -> u16 {
+    if norm {
+        0x3f80 | (m & 0x000f)
+    } else {
+        (m & 0x8000) | 0x3c00 | (m & 0x01ff)
+    }
+}
+
 /// Fills `out` with values of magnitude ~0.02 (norm weights ~1), as little-endian `dtype`.
 fn fill(out: &mut [u8], dtype: &str, norm: bool, state: &mut u64) {
     let mut next = || {
@@ -150,12 +159,7 @@ fn fill(out: &mut [u8], dtype: &str, norm: bool, state: &mut u64) {
                 let r = next();
                 for j in 0..4 {
                     let m = ((r >> (16 * j)) & 0xffff) as u16;
-                    let bits: u16 = if norm {
-                        0x3f80 | (m & 0x000f)
-                    } else {
-                        (m & 0x8000) | 0x3c00 | (m & 0x01ff)
-                    };
-                    let v = f32::from_bits((bits as u32) << 16);
+                    let v = f32::from_bits((bf16_bits(m, norm) as u32) << 16);
                     c[4 * j..4 * j + 4].copy_from_slice(&v.to_le_bytes());
                 }
             }
@@ -172,10 +176,8 @@ fn fill(out: &mut [u8], dtype: &str, norm: bool, state: &mut u64) {
                         } else {
                             (m & 0x8000) | 0x2000 | (m & 0x07ff)
                         }
-                    } else if norm {
-                        0x3f80 | (m & 0x000f)
                     } else {
-                        (m & 0x8000) | 0x3c00 | (m & 0x01ff)
+                        bf16_bits(m, norm)
                     };
                     c[2 * j..2 * j + 2].copy_from_slice(&bits.to_le_bytes());
                 }

@@ -383,46 +383,29 @@ KERNEL void argmax_rows(const float* x, int n, u32* ids) {
     if (t == 0) ids[blockIdx.x] = si[0] == 0x7fffffff ? 0u : (u32)si[0];
 }
 
-// Four consecutive elements of kind `kind` from element `i` (8-byte aligned for 16-bit kinds,
-// two 8-byte loads for f32) as f32.
-__device__ __forceinline__ void load4(const void* p, i64 i, int kind, float* out) {
-    if (kind == 0) {
-        const float2* q = (const float2*)((const float*)p + i);
-        float2 a = q[0], b = q[1];
-        out[0] = a.x; out[1] = a.y; out[2] = b.x; out[3] = b.y;
-        return;
+// 8 bytes at `p`; with `stream`, kept out of L1 (`L1::no_allocate`): weights no other warp
+// reads, so the activations every warp re-reads stay there.
+__device__ __forceinline__ uint2 load8(const void* p, int stream) {
+#ifndef THAW_CUDA_EMU
+    if (stream) {
+        uint2 v;
+        asm("ld.global.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+        return v;
     }
-    uint2 v = *(const uint2*)((const u16*)p + i);
-    u16 h[4] = {(u16)(v.x & 0xffffu), (u16)(v.x >> 16), (u16)(v.y & 0xffffu), (u16)(v.y >> 16)};
-    #pragma unroll
-    for (int j = 0; j < 4; j++) out[j] = kind == 1 ? bf16_to_f32(h[j]) : f16_to_f32(h[j]);
-}
-
-// 8 bytes of weights that no other warp reads: kept out of L1 (`L1::no_allocate`), so the
-// activations every warp re-reads stay there.
-__device__ __forceinline__ uint2 load_stream8(const void* p) {
-#ifdef THAW_CUDA_EMU
-    return *(const uint2*)p;
-#else
-    uint2 v;
-    asm("ld.global.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-    return v;
 #endif
+    return *(const uint2*)p;
 }
 
-// load4 for weights, streamed (see load_stream8) when `stream` is set.
-__device__ __forceinline__ void load4_w(const void* p, i64 i, int kind, int stream, float* out) {
-    if (!stream) {
-        load4(p, i, kind, out);
-        return;
-    }
+// Four consecutive elements of kind `kind` from element `i` (8-byte aligned for 16-bit kinds,
+// two 8-byte loads for f32) as f32, streamed past L1 with `stream` (see load8).
+__device__ __forceinline__ void load4(const void* p, i64 i, int kind, int stream, float* out) {
     if (kind == 0) {
-        uint2 a = load_stream8((const float*)p + i), b = load_stream8((const float*)p + i + 2);
+        uint2 a = load8((const float*)p + i, stream), b = load8((const float*)p + i + 2, stream);
         out[0] = __uint_as_float(a.x); out[1] = __uint_as_float(a.y);
         out[2] = __uint_as_float(b.x); out[3] = __uint_as_float(b.y);
         return;
     }
-    uint2 v = load_stream8((const u16*)p + i);
+    uint2 v = load8((const u16*)p + i, stream);
     u16 h[4] = {(u16)(v.x & 0xffffu), (u16)(v.x >> 16), (u16)(v.y & 0xffffu), (u16)(v.y >> 16)};
     #pragma unroll
     for (int j = 0; j < 4; j++) out[j] = kind == 1 ? bf16_to_f32(h[j]) : f16_to_f32(h[j]);
@@ -454,7 +437,7 @@ KERNEL void gemv(const void* w, int w_kind, const void* x, int x_kind, int rows,
             #pragma unroll
             for (int u = 0; u < 4; u++) {
                 int g = g0 + 32 * u;
-                if (g < groups) load4_w(w, wrow + 4 * (i64)g, w_kind, stream_w, wv[u]);
+                if (g < groups) load4(w, wrow + 4 * (i64)g, w_kind, stream_w, wv[u]);
             }
             #pragma unroll
             for (int r = 0; r < GEMV_MAX_ROWS; r++) {
@@ -464,7 +447,7 @@ KERNEL void gemv(const void* w, int w_kind, const void* x, int x_kind, int rows,
                     int g = g0 + 32 * u;
                     if (g < groups) {
                         float xv[4];
-                        load4(x, (i64)r * K + 4 * (i64)g, x_kind, xv);
+                        load4(x, (i64)r * K + 4 * (i64)g, x_kind, 0, xv);
                         acc[r] += wv[u][0] * xv[0] + wv[u][1] * xv[1] + wv[u][2] * xv[2] +
                                   wv[u][3] * xv[3];
                     }
