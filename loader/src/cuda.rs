@@ -7,8 +7,9 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};
 
+use crate::mapped::{copy_mapped, map_shards, MappedStats, PinInPlace};
 use crate::plan::LoadPlan;
-use crate::read::{load_into, LoadOptions, LoadStats};
+use crate::read::{begin, load_into, LoadOptions, LoadStats, Strategy};
 use crate::staging::{CopyEngine, StagingBuf, StagingRing};
 use crate::{Checkpoint, LoadError};
 
@@ -69,6 +70,8 @@ impl StagingBuf for PinnedBuf {
 pub struct CudaCopy {
     stream: Arc<CudaStream>,
     shards: Mutex<Vec<CudaSlice<u8>>>,
+    /// The driver refused to pin pages in place (then the staging ring loads instead).
+    pin_refused: std::sync::atomic::AtomicBool,
 }
 
 impl CudaCopy {
@@ -76,6 +79,7 @@ impl CudaCopy {
         Ok(CudaCopy {
             stream: ctx.new_stream().map_err(cuda_err)?,
             shards: Mutex::new(vec![]),
+            pin_refused: false.into(),
         })
     }
 
@@ -123,6 +127,37 @@ impl CopyEngine for CudaCopy {
     }
 }
 
+impl PinInPlace for CudaCopy {
+    unsafe fn pin(&self, ptr: *const u8, len: usize) -> Result<(), LoadError> {
+        use cudarc::driver::sys::{
+            cuMemHostRegister_v2, CU_MEMHOSTREGISTER_PORTABLE, CU_MEMHOSTREGISTER_READ_ONLY,
+        };
+        self.stream.context().bind_to_thread().map_err(cuda_err)?;
+        // SAFETY: the caller's contract: `ptr..ptr + len` is mapped (read-only, hence the flag)
+        // until `unpin`.
+        let r = unsafe {
+            cuMemHostRegister_v2(
+                ptr as *mut _,
+                len,
+                CU_MEMHOSTREGISTER_READ_ONLY | CU_MEMHOSTREGISTER_PORTABLE,
+            )
+        };
+        r.result().map_err(|e| {
+            self.pin_refused
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            cuda_err(format!("pinning {len} mapped bytes in place: {e}"))
+        })
+    }
+
+    unsafe fn unpin(&self, ptr: *const u8) -> Result<(), LoadError> {
+        self.stream.context().bind_to_thread().map_err(cuda_err)?;
+        // SAFETY: the caller's contract: `ptr` starts a pinned range no copy reads any more.
+        unsafe { cudarc::driver::sys::cuMemHostUnregister(ptr as *mut _) }
+            .result()
+            .map_err(cuda_err)
+    }
+}
+
 /// A checkpoint in device memory: one allocation per shard (tensor `e` of shard `s` starts at
 /// `plan.shards[s].data_offset() + e.info.begin`), and how the load went.
 pub struct DeviceLoad {
@@ -134,6 +169,8 @@ pub struct DeviceLoad {
     /// Time the reads waited for host → device copies, plus the final copies' tail: the copy
     /// phase not hidden behind reads.
     pub copy_s: f64,
+    /// Pinned in place (resident checkpoints): where the workers' time went.
+    pub mapped: Option<MappedStats>,
 }
 
 /// The pinned staging ring's shape.
@@ -143,16 +180,25 @@ pub struct Staging {
     pub buffers: usize,
     /// Write-combined buffers, where no integrity check reads them on the host.
     pub write_combined: bool,
+    /// A checkpoint resident in the page cache is copied from there, its pages pinned in place
+    /// (no staging copy); the ring is the fallback where the driver refuses.
+    pub pin_in_place: bool,
+    /// Pinned in place: chunks each worker keeps pinned (copies in flight per worker).
+    pub pin_depth: usize,
 }
 
 impl Default for Staging {
     fn default() -> Self {
         // 16 × 8 MiB: on an H200 host (16 cores) 38–42 GB/s from the page cache against
         // 33–36 with 8 buffers, and better than 32 buffers or 32 MiB chunks; write-combined
-        // buffers were not consistently faster (docs/PERFORMANCE.md).
+        // buffers were not consistently faster (docs/PERFORMANCE.md). Pinning in place is
+        // off until a GPU run measures it against the ring (`bench-coldstart gpu`'s load sweep
+        // has both; `THAW_CUDA_PIN_IN_PLACE=1` turns it on in `thaw`).
         Staging {
             buffers: 16,
             write_combined: false,
+            pin_in_place: false,
+            pin_depth: 2,
         }
     }
 }
@@ -165,6 +211,13 @@ pub fn load_to_device(
     staging: Staging,
 ) -> Result<DeviceLoad, LoadError> {
     let t = std::time::Instant::now();
+    let mut fallback = None;
+    if staging.pin_in_place && matches!(opts.strategy, Strategy::Auto | Strategy::Mmap) {
+        match load_in_place(ck, opts, ctx, staging)? {
+            Ok(l) => return Ok(l),
+            Err(reason) => fallback = Some(reason),
+        }
+    }
     // Chunks are the manifest's size when there is one (its hashes are per chunk).
     let manifest = match opts.verify {
         crate::Verify::Off => None,
@@ -182,11 +235,70 @@ pub fn load_to_device(
     dest.finish()?;
     let copy_s = dest.copy_wait_s();
     stats.total_s = t.elapsed().as_secs_f64();
+    if stats.fallback.is_none() {
+        stats.fallback = fallback;
+    }
     Ok(DeviceLoad {
         plan,
         stats,
         shards: dest.into_engine().into_shards(),
         alloc_s,
         copy_s,
+        mapped: None,
     })
+}
+
+/// Loads a page-cache-resident checkpoint by pinning its mapped pages in place. `Ok(Err(why))`:
+/// not done this way (not resident, or the driver refused to pin), so the caller stages instead.
+fn load_in_place(
+    ck: &Checkpoint,
+    opts: &LoadOptions,
+    ctx: &Arc<CudaContext>,
+    staging: Staging,
+) -> Result<Result<DeviceLoad, String>, LoadError> {
+    let t = std::time::Instant::now();
+    let job = begin(ck, opts)?;
+    if job.stats.resident < 0.9 && opts.strategy != Strategy::Mmap {
+        return Ok(Err(format!(
+            "{:.0}% resident in the page cache: read from the disk instead",
+            job.stats.resident * 100.0
+        )));
+    }
+    let mut engine = CudaCopy::new(ctx)?;
+    crate::staging::CopyEngine::prepare(&mut engine, &job.plan)?;
+    let maps = map_shards(&job.plan)?;
+    let alloc_s = t.elapsed().as_secs_f64() - job.stats.plan_s;
+    let t_io = std::time::Instant::now();
+    let r = copy_mapped(
+        &job.plan,
+        &maps,
+        job.expected.as_deref(),
+        &engine,
+        opts.threads,
+        staging.pin_depth,
+    );
+    let m = match r {
+        Ok(m) => m,
+        Err(e)
+            if engine
+                .pin_refused
+                .load(std::sync::atomic::Ordering::Relaxed) =>
+        {
+            return Ok(Err(e.to_string()))
+        }
+        Err(e) => return Err(e),
+    };
+    let mut stats = job.stats.clone();
+    stats.strategy = "pin-in-place".into();
+    stats.verify_s = m.verify_s / m.threads as f64;
+    stats.io_s = t_io.elapsed().as_secs_f64() - stats.verify_s;
+    stats.total_s = t.elapsed().as_secs_f64();
+    Ok(Ok(DeviceLoad {
+        plan: job.plan,
+        stats,
+        shards: engine.into_shards(),
+        alloc_s,
+        copy_s: m.copy_wait_s,
+        mapped: Some(m),
+    }))
 }

@@ -274,7 +274,12 @@ fn check_len(plan: &LoadPlan, c: &Chunk, got: u64) -> Result<(), LoadError> {
     Ok(())
 }
 
-fn verify_chunk(plan: &LoadPlan, c: &Chunk, buf: &[u8], want: &str) -> Result<(), LoadError> {
+pub(crate) fn verify_chunk(
+    plan: &LoadPlan,
+    c: &Chunk,
+    buf: &[u8],
+    want: &str,
+) -> Result<(), LoadError> {
     let got = hash(hashed_part(plan, c, buf));
     if got != want {
         let s = &plan.shards[c.shard];
@@ -300,7 +305,7 @@ pub struct Loaded {
 /// Everything a strategy needs besides the destination.
 pub(crate) struct Job {
     pub(crate) plan: LoadPlan,
-    expected: Option<Vec<String>>,
+    pub(crate) expected: Option<Vec<String>>,
     opts: LoadOptions,
     pub(crate) stats: LoadStats,
     t0: Instant,

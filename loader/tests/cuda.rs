@@ -1,5 +1,6 @@
-//! The CUDA destination on a real GPU: a sharded checkpoint with awkward sizes goes through the
-//! pinned staging ring into device memory and comes back byte for byte. Skips (with a message)
+//! The CUDA destination on a real GPU: a checkpoint with awkward sizes goes through the pinned
+//! staging ring, and pinned in place from the page cache, into device memory and comes back byte
+//! for byte. Skips (with a message)
 //! where there is no CUDA driver; runs in `scripts/gpu-check.sh`.
 #![cfg(feature = "cuda")]
 
@@ -36,26 +37,40 @@ fn checkpoint_reaches_device_memory_intact() {
     bytes.extend((0..a + b).map(|i| (i * 7 + 3) as u8));
     std::fs::write(d.path().join("model.safetensors"), &bytes).unwrap();
     let ck = Checkpoint::open(d.path()).unwrap();
-    let opts = LoadOptions {
-        strategy: Strategy::UringDirect,
-        chunk_size: 64 << 10,
-        verify: Verify::Off,
-        ..LoadOptions::default()
-    };
-    let l = thaw_loader::cuda::load_to_device(
-        &ck,
-        &opts,
-        &ctx,
-        thaw_loader::cuda::Staging {
-            buffers: 3,
-            write_combined: false,
-        },
-    )
-    .unwrap();
-    let stream = ctx.default_stream();
-    let back = stream.clone_dtoh(&l.shards[0]).unwrap();
-    let s = &l.plan.shards[0];
-    let data = &bytes[s.data_start as usize..(s.data_start + s.data_len) as usize];
-    let off = s.data_offset() as usize;
-    assert_eq!(&back[off..off + data.len()], data);
+    // Through the staging ring (io_uring reads), then pinned in place from the page cache
+    // (the file was just written: resident).
+    for (strategy, pin_in_place) in [(Strategy::UringDirect, false), (Strategy::Mmap, true)] {
+        let opts = LoadOptions {
+            strategy,
+            chunk_size: 64 << 10,
+            verify: Verify::Off,
+            ..LoadOptions::default()
+        };
+        let l = thaw_loader::cuda::load_to_device(
+            &ck,
+            &opts,
+            &ctx,
+            thaw_loader::cuda::Staging {
+                buffers: 3,
+                write_combined: false,
+                pin_in_place,
+                pin_depth: 2,
+            },
+        )
+        .unwrap();
+        eprintln!(
+            "{strategy:?}, pin in place {pin_in_place}: loaded as {} (fallback: {:?})",
+            l.stats.strategy, l.stats.fallback
+        );
+        assert_eq!(
+            l.mapped.is_some(),
+            pin_in_place && l.stats.fallback.is_none()
+        );
+        let stream = ctx.default_stream();
+        let back = stream.clone_dtoh(&l.shards[0]).unwrap();
+        let s = &l.plan.shards[0];
+        let data = &bytes[s.data_start as usize..(s.data_start + s.data_len) as usize];
+        let off = s.data_offset() as usize;
+        assert_eq!(&back[off..off + data.len()], data, "{strategy:?}");
+    }
 }

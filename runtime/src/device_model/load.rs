@@ -24,7 +24,8 @@ use crate::{KvDtype, ModelConfig, RuntimeError};
 #[cfg(feature = "cuda")]
 impl DeviceLlama<thaw_kernels::cuda::Gpu> {
     /// Opens GPU `ordinal`, checks `dir`'s config and tensors, streams the weights to the device
-    /// (pinned staging ring: reads overlap host → device copies).
+    /// (a pinned staging ring where reads overlap host → device copies; or, opted in, a
+    /// page-cache-resident checkpoint pinned in place and copied from there).
     pub fn load(
         dir: &Path,
         opts: &thaw_loader::LoadOptions,
@@ -34,7 +35,14 @@ impl DeviceLlama<thaw_kernels::cuda::Gpu> {
         use thaw_loader::cuda::Staging;
         let (cfg, ck, t) = open(dir)?;
         let gpu = Arc::new(Gpu::open(ordinal, ptx_cache_dir().as_deref()).map_err(dev_err)?);
-        let loaded = thaw_loader::cuda::load_to_device(&ck, opts, &gpu.ctx, Staging::default())
+        // THAW_CUDA_PIN_IN_PLACE=1|0 overrides the default (A/B runs).
+        let def = Staging::default();
+        let staging = Staging {
+            pin_in_place: std::env::var("THAW_CUDA_PIN_IN_PLACE")
+                .map_or(def.pin_in_place, |v| v != "0"),
+            ..def
+        };
+        let loaded = thaw_loader::cuda::load_to_device(&ck, opts, &gpu.ctx, staging)
             .map_err(RuntimeError::from)?;
         let offsets: Vec<u64> = loaded.plan.shards.iter().map(|s| s.data_offset()).collect();
         let shards: Vec<DevBuf> = loaded
@@ -205,6 +213,7 @@ impl<D: DeviceOps> DeviceLlama<D> {
                     .and_then(|v| v.parse().ok())
                     .unwrap_or(DEFAULT_GEMV_ROWS),
             ),
+            fused_norm: AtomicBool::new(true),
         })
     }
 }
