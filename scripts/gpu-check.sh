@@ -99,7 +99,7 @@ status=0
 echo "== GPU tests"
 for t in "$dist"/test-*; do
     echo "-- $t"
-    lim 120 "$t" --test-threads=1 --nocapture 2>&1 | grep -E "^test |skipped|result|panicked|error" || status=1
+    lim 120 "$t" --test-threads=1 --nocapture 2>&1 | grep -E "^test |skipped|result|panicked|error|loaded as" || status=1
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
 

@@ -87,6 +87,56 @@ pub const PREFILL_TILE: usize = 4;
 /// Most rows the matrix-vector kernel (`gemv` in kernels.cu) takes in one launch.
 pub const GEMV_MAX_ROWS: usize = 8;
 
+/// Most matrices one [`DeviceOps::gemv`] launch multiplies by the same activations.
+pub const GEMV_MAX_OUTS: usize = 3;
+
+/// The activations of a [`DeviceOps::gemv`] launch: `rows` rows of `in_dim` elements of `kind`
+/// at `x` (W's kind, or f32 with `norm`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GemvIn {
+    pub x: u64,
+    pub kind: Elem,
+    pub rows: usize,
+    pub in_dim: usize,
+    /// The product is of x's RMSNorm, folded into the kernel: x is the f32 residual and no
+    /// normalized copy is written (decode's attention and MLP norms).
+    pub norm: Option<GemvNorm>,
+}
+
+/// An RMSNorm folded into a [`DeviceOps::gemv`]: `w` its f32 weights (`in_dim` of them).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GemvNorm {
+    pub w: u64,
+    pub eps: f32,
+}
+
+impl GemvIn {
+    /// Whether the matrix-vector kernel takes these activations times `outs` (of `w_kind`):
+    /// 1 to [`GEMV_MAX_OUTS`] matrices, each fitting [`gemv_fits`] for at most `max_rows` rows,
+    /// x in W's kind (or f32 under a norm, whose weights are 8-byte aligned).
+    pub fn fits(&self, w_kind: Elem, outs: &[GemvOut], max_rows: usize) -> bool {
+        let kind_ok = match self.norm {
+            None => self.kind == w_kind,
+            Some(n) => self.kind == Elem::F32 && n.w.is_multiple_of(8),
+        };
+        kind_ok
+            && !outs.is_empty()
+            && outs.len() <= GEMV_MAX_OUTS
+            && outs
+                .iter()
+                .all(|o| gemv_fits(o.w, self.x, self.in_dim, self.rows, max_rows))
+    }
+}
+
+/// One matrix of a [`DeviceOps::gemv`] launch: `W [out_dim, in_dim]` at `w`, `y [n, out_dim]`
+/// (f32) at `y`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GemvOut {
+    pub w: u64,
+    pub out_dim: usize,
+    pub y: u64,
+}
+
 /// Whether [`DeviceOps::gemv`] takes this product: 1..=`max_rows` rows (at most
 /// [`GEMV_MAX_ROWS`]), rows of a multiple of 4 elements, W and x 8-byte aligned (its loads are 4
 /// elements of 16 bits, or two pairs of f32). Others go to [`DeviceOps::gemm`].
@@ -259,17 +309,14 @@ pub trait DeviceOps: Send + Sync + 'static {
         beta: f32,
     ) -> Result<(), Self::Error>;
     /// The same product for decode-sized `n` by the matrix-vector kernel, which reads W once at
-    /// memory speed whatever `n` is; only where [`gemv_fits`] says so.
-    #[allow(clippy::too_many_arguments)]
+    /// memory speed whatever `n` is — for up to [`GEMV_MAX_OUTS`] matrices of the same kind and
+    /// `in_dim` that multiply the same activations (q, k, v; gate, up), in one launch,
+    /// optionally of their RMSNorm ([`GemvIn::norm`]). Only where [`GemvIn::fits`] says so.
     fn gemv(
         &self,
-        w: u64,
         w_kind: Elem,
-        out_dim: usize,
-        in_dim: usize,
-        x: u64,
-        n: usize,
-        y: u64,
+        outs: &[GemvOut],
+        x: &GemvIn,
         beta: f32,
     ) -> Result<(), Self::Error>;
 }

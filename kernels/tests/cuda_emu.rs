@@ -531,73 +531,220 @@ fn argmax_rows_picks_the_first_maximum() {
     }
 }
 
-/// The decode matrix-vector kernel against the GEMM (the emulator's GEMM is cuBLAS's definition
-/// in f64) for each weight kind, 1..=8 rows, widths that are and are not multiples of its
-/// 128-element stride, with beta 0 (y never read: it starts NaN) and beta 1 (accumulate into
-/// the residual); and what it refuses.
+/// The matrix-vector kernels (`gemv`, `gemv1`, `gemv1w`) against the GEMM's definition
+/// (computed in f64) for each weight kind; one matrix and three sharing x in one launch (the
+/// last group of outputs of each partial); widths below, past and not multiples of a block's
+/// stride (4 elements a thread); 1..=8 rows; beta 0 (y never read: it starts NaN) and beta 1
+/// (accumulate into the residual); with the RMSNorm folded in (x the f32 residual) against
+/// the norm then the product (the norm rounded to W's kind as the `rmsnorm` kernel stores it);
+/// and what they refuse.
 #[test]
 fn gemv_matches_the_gemm_for_decode_rows() {
-    use emu::device::Emu;
-    use thaw_kernels::device::{gemv_fits, DeviceBuf, DeviceOps, Elem, GEMV_MAX_ROWS};
+    use emu::device::{Emu, GemvKernel};
+    use thaw_kernels::device::{
+        gemv_fits, DeviceBuf, DeviceOps, Elem, GemvIn, GemvNorm, GemvOut, GEMV_MAX_ROWS,
+    };
     let dev = Emu;
     let mut r = Rng(77);
+    let eps = 1e-5f32;
     for kind in [Elem::F32, Elem::Bf16, Elem::F16] {
-        for (out_dim, in_dim) in [(37usize, 64usize), (5, 260), (60, 1028)] {
+        let enc = |v: &[f32]| -> Vec<u8> {
+            match kind {
+                Elem::F32 => as_bytes(v).to_vec(),
+                Elem::Bf16 => v
+                    .iter()
+                    .flat_map(|x| bf16::from_f32(*x).to_bits().to_le_bytes())
+                    .collect(),
+                Elem::F16 => v
+                    .iter()
+                    .flat_map(|x| f16::from_f32(*x).to_bits().to_le_bytes())
+                    .collect(),
+            }
+        };
+        // The values the kernel sees after encoding.
+        let dec = |b: &[u8]| -> Vec<f64> {
+            match kind {
+                Elem::F32 => f32s(b).iter().map(|&v| v as f64).collect(),
+                _ => b
+                    .chunks(2)
+                    .map(|c| {
+                        let bits = u16::from_le_bytes([c[0], c[1]]);
+                        if kind == Elem::Bf16 {
+                            bf16::from_bits(bits).to_f64()
+                        } else {
+                            f16::from_bits(bits).to_f64()
+                        }
+                    })
+                    .collect(),
+            }
+        };
+        for in_dim in [64usize, 1028] {
+            let dims = [29usize, 5, 22];
             // (Small enough that the emulator runs the kernel, not the GEMM's definition.)
-            assert!(out_dim * in_dim <= emu::device::EMU_GEMV_MAX_ELEMS);
-            let enc = |v: &[f32]| -> Vec<u8> {
-                match kind {
-                    Elem::F32 => as_bytes(v).to_vec(),
-                    Elem::Bf16 => v
-                        .iter()
-                        .flat_map(|x| bf16::from_f32(*x).to_bits().to_le_bytes())
-                        .collect(),
-                    Elem::F16 => v
-                        .iter()
-                        .flat_map(|x| f16::from_f32(*x).to_bits().to_le_bytes())
-                        .collect(),
-                }
-            };
-            let w = enc(&r.vec(out_dim * in_dim));
-            let mut wd = dev.alloc(w.len()).unwrap();
-            dev.upload(&mut wd, 0, &w).unwrap();
-            for rows in [1usize, 3, GEMV_MAX_ROWS] {
-                let x = enc(&r.vec(rows * in_dim));
-                let mut xd = dev.alloc(x.len()).unwrap();
-                dev.upload(&mut xd, 0, &x).unwrap();
-                assert!(gemv_fits(wd.ptr(), xd.ptr(), in_dim, rows, GEMV_MAX_ROWS));
-                let y0 = r.vec(rows * out_dim);
-                for beta in [0.0f32, 1.0] {
-                    let start: Vec<f32> = if beta == 0.0 {
-                        vec![f32::NAN; y0.len()]
+            assert!(dims.iter().sum::<usize>() * in_dim <= emu::device::EMU_GEMV_MAX_ELEMS);
+            let ws: Vec<_> = dims
+                .iter()
+                .map(|&o| {
+                    let w = enc(&r.vec(o * in_dim));
+                    let mut wd = dev.alloc(w.len()).unwrap();
+                    dev.upload(&mut wd, 0, &w).unwrap();
+                    (wd, dec(&w))
+                })
+                .collect();
+            let nw: Vec<f32> = r.vec(in_dim).iter().map(|v| 1.0 + v).collect();
+            let mut nwd = dev.alloc(in_dim * 4).unwrap();
+            dev.upload(&mut nwd, 0, as_bytes(&nw)).unwrap();
+            for (kernel, rows) in [
+                (GemvKernel::Rows, 1usize),
+                (GemvKernel::Rows, 3),
+                (GemvKernel::Rows, GEMV_MAX_ROWS),
+                (GemvKernel::One, 1),
+                (GemvKernel::OneWide, 1),
+            ] {
+                let xf = r.vec(rows * in_dim);
+                for (group, beta, norm) in [
+                    (1usize, 0.0f32, false),
+                    (3, 1.0, false),
+                    (3, 0.0, true),
+                    (1, 1.0, true),
+                ] {
+                    // Under a norm x is the f32 residual; otherwise in W's kind.
+                    let x = if norm {
+                        as_bytes(&xf).to_vec()
                     } else {
-                        y0.clone()
+                        enc(&xf)
                     };
-                    let mut got_d = dev.alloc(start.len() * 4).unwrap();
-                    let mut want_d = dev.alloc(start.len() * 4).unwrap();
-                    dev.upload(&mut got_d, 0, as_bytes(&start)).unwrap();
-                    dev.upload(&mut want_d, 0, as_bytes(&start)).unwrap();
-                    let (wp, xp) = (wd.ptr(), xd.ptr());
-                    dev.gemv(wp, kind, out_dim, in_dim, xp, rows, got_d.ptr(), beta)
-                        .unwrap();
-                    dev.gemm(wp, kind, out_dim, in_dim, xp, rows, want_d.ptr(), beta)
-                        .unwrap();
-                    let mut got = vec![0u8; start.len() * 4];
-                    let mut want = vec![0u8; start.len() * 4];
-                    dev.download(&got_d, 0, &mut got).unwrap();
-                    dev.download(&want_d, 0, &mut want).unwrap();
-                    let what = format!("{kind:?} {out_dim}x{in_dim}, {rows} rows, beta {beta}");
-                    assert_close(&f32s(&got), &f32s(&want), 1e-5, &what);
+                    let xs = if norm {
+                        xf.iter().map(|&v| v as f64).collect()
+                    } else {
+                        dec(&x)
+                    };
+                    let mut xd = dev.alloc(x.len()).unwrap();
+                    dev.upload(&mut xd, 0, &x).unwrap();
+                    // The reference's activations: x, or its RMSNorm — in f64 for f32 weights;
+                    // for 16-bit weights as the `rmsnorm` kernel stores it in W's kind (what
+                    // the unfused step feeds the product, and what the fused one must match).
+                    let xr: Vec<f64> = if !norm {
+                        xs
+                    } else if kind == Elem::F32 {
+                        xs.chunks(in_dim)
+                            .flat_map(|row| {
+                                let ms = row.iter().map(|v| v * v).sum::<f64>() / in_dim as f64;
+                                let sc = 1.0 / (ms + eps as f64).sqrt();
+                                row.iter().zip(&nw).map(move |(v, w)| v * sc * *w as f64)
+                            })
+                            .collect()
+                    } else {
+                        let xn = dev.alloc(rows * in_dim * 4).unwrap();
+                        dev.rmsnorm(xd.ptr(), 0, nwd.ptr(), rows, in_dim, eps, xn.ptr(), kind)
+                            .unwrap();
+                        let mut b = vec![0u8; rows * in_dim * 2];
+                        dev.download(&xn, 0, &mut b).unwrap();
+                        dec(&b)
+                    };
+                    let mut outs = vec![];
+                    let mut bufs = vec![];
+                    for m in 0..group {
+                        let y0 = r.vec(rows * dims[m]);
+                        let start: Vec<f32> = if beta == 0.0 {
+                            vec![f32::NAN; y0.len()]
+                        } else {
+                            y0
+                        };
+                        let mut got_d = dev.alloc(start.len() * 4).unwrap();
+                        dev.upload(&mut got_d, 0, as_bytes(&start)).unwrap();
+                        assert!(gemv_fits(
+                            ws[m].0.ptr(),
+                            xd.ptr(),
+                            in_dim,
+                            rows,
+                            GEMV_MAX_ROWS
+                        ));
+                        outs.push(GemvOut {
+                            w: ws[m].0.ptr(),
+                            out_dim: dims[m],
+                            y: got_d.ptr(),
+                        });
+                        let want: Vec<f32> = (0..rows * dims[m])
+                            .map(|i| {
+                                let (row, o) = (i / dims[m], i % dims[m]);
+                                let w = &ws[m].1[o * in_dim..(o + 1) * in_dim];
+                                let x = &xr[row * in_dim..(row + 1) * in_dim];
+                                let acc: f64 = w.iter().zip(x).map(|(a, b)| a * b).sum();
+                                let old = if beta == 0.0 {
+                                    0.0
+                                } else {
+                                    beta as f64 * start[i] as f64
+                                };
+                                (acc + old) as f32
+                            })
+                            .collect();
+                        bufs.push((got_d, want));
+                    }
+                    let xin = GemvIn {
+                        x: xd.ptr(),
+                        kind: if norm { Elem::F32 } else { kind },
+                        rows,
+                        in_dim,
+                        norm: norm.then_some(GemvNorm { w: nwd.ptr(), eps }),
+                    };
+                    dev.gemv_kernel(kernel, kind, &outs, &xin, beta).unwrap();
+                    for (m, (got_d, want)) in bufs.iter().enumerate() {
+                        let mut got = vec![0u8; want.len() * 4];
+                        dev.download(got_d, 0, &mut got).unwrap();
+                        let what = format!(
+                            "{kernel:?} {kind:?} matrix {m} of {group}: {}x{in_dim}, {rows} rows, beta {beta}, norm {norm}",
+                            dims[m]
+                        );
+                        assert_close(&f32s(&got), want, 1e-5, &what);
+                    }
                 }
             }
         }
     }
-    // Refused: too many rows, a width not a multiple of 4, misaligned operands.
+    // Refused: too many rows, a width not a multiple of 4, misaligned operands, more than one
+    // row for the one-row kernels, no matrices or more than three, x not in W's kind (or not
+    // f32 under a norm).
     let a = dev.alloc(4096).unwrap().ptr();
     assert!(!gemv_fits(a, a, 64, GEMV_MAX_ROWS + 1, GEMV_MAX_ROWS));
     assert!(!gemv_fits(a, a, 64, 4, 3));
     assert!(!gemv_fits(a, a, 62, 1, GEMV_MAX_ROWS));
     assert!(!gemv_fits(a + 4, a, 64, 1, GEMV_MAX_ROWS));
     assert!(!gemv_fits(a, a + 2, 64, 1, GEMV_MAX_ROWS));
-    assert!(dev.gemv(a + 4, Elem::F32, 4, 64, a, 1, a, 0.0).is_err());
+    let o = |w: u64| GemvOut {
+        w,
+        out_dim: 4,
+        y: a,
+    };
+    let x = |rows: usize, kind: Elem, norm: bool| GemvIn {
+        x: a,
+        kind,
+        rows,
+        in_dim: 64,
+        norm: norm.then_some(GemvNorm { w: a, eps }),
+    };
+    assert!(dev
+        .gemv(Elem::F32, &[o(a + 4)], &x(1, Elem::F32, false), 0.0)
+        .is_err());
+    assert!(dev
+        .gemv(Elem::F32, &[], &x(1, Elem::F32, false), 0.0)
+        .is_err());
+    assert!(dev
+        .gemv(Elem::F32, &[o(a); 4], &x(1, Elem::F32, false), 0.0)
+        .is_err());
+    assert!(dev
+        .gemv(Elem::Bf16, &[o(a)], &x(1, Elem::F32, false), 0.0)
+        .is_err());
+    assert!(dev
+        .gemv(Elem::Bf16, &[o(a)], &x(1, Elem::Bf16, true), 0.0)
+        .is_err());
+    assert!(dev
+        .gemv_kernel(
+            GemvKernel::One,
+            Elem::F32,
+            &[o(a)],
+            &x(2, Elem::F32, false),
+            0.0
+        )
+        .is_err());
 }

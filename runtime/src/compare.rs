@@ -30,7 +30,8 @@ pub fn prompt(vocab: usize, n: usize, salt: u64) -> Vec<u32> {
 }
 
 /// A prefill, then one batched step: a decode of that sequence plus two new prompts, each over
-/// its own scattered block table.
+/// its own scattered block table; then a decode step of two of them. Returns the prefill's
+/// logits and the two later steps' (concatenated).
 pub fn steps<M: StepModel>(m: &M) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
     let vocab = m.config().vocab_size;
     let mut kv = m.new_kv(16, 64)?;
@@ -67,6 +68,26 @@ pub fn steps<M: StepModel>(m: &M) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> 
         ],
         &mut kv,
     )?;
+    // Then a decode step of two of them (rows few enough for a device's matrix-vector path),
+    // its logits after the batch's.
+    let (n0, n1) = ([q1[3]], [q2[1]]);
+    let decode = m.forward_batch(
+        &[
+            SeqChunk {
+                tokens: &n0,
+                start: 38,
+                table: &t0,
+            },
+            SeqChunk {
+                tokens: &n1,
+                start: 20,
+                table: &t1,
+            },
+        ],
+        &mut kv,
+    )?;
+    let mut batch = batch;
+    batch.extend(decode);
     Ok((prefill, batch))
 }
 

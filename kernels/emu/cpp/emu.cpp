@@ -101,9 +101,21 @@ void thaw_emu_rope_store(unsigned rows, unsigned block, float* q, const float* k
 void thaw_emu_argmax_rows(unsigned rows, unsigned block, const float* x, int n, u32* ids) {
     launch(rows, 1, block, [=] { argmax_rows(x, n, ids); });
 }
-void thaw_emu_gemv(unsigned grid, unsigned block, const void* w, int w_kind, const void* x,
-                   int x_kind, int rows, int N, int K, float* y, float beta, int stream_w) {
-    launch(grid, 1, block, [=] { gemv(w, w_kind, x, x_kind, rows, N, K, y, beta, stream_w); });
+void thaw_emu_gemv(int which, unsigned grid, unsigned block, const void* w0, const void* w1,
+                   const void* w2, float* y0, float* y1, float* y2, int n0, int n1, int n2,
+                   int w_kind, const void* x, int x_kind, int rows, int K, const float* norm,
+                   float eps, float beta, int stream_w) {
+    launch(grid, 1, block, [=] {
+        if (which == 1)
+            gemv1(w0, w1, w2, y0, y1, y2, n0, n1, n2, w_kind, x, x_kind, rows, K, norm, eps, beta,
+                  stream_w);
+        else if (which == 2)
+            gemv1w(w0, w1, w2, y0, y1, y2, n0, n1, n2, w_kind, x, x_kind, rows, K, norm, eps,
+                   beta, stream_w);
+        else
+            gemv(w0, w1, w2, y0, y1, y2, n0, n1, n2, w_kind, x, x_kind, rows, K, norm, eps, beta,
+                 stream_w);
+    });
 }
 void thaw_emu_attention(unsigned rows, unsigned kv_heads, const float* q, const void* kc,
                         const void* vc, int kv_kind, const u32* rows_map, const u32* pos,

@@ -3,7 +3,9 @@
 //! `GemmCall` the CUDA backend passes to cuBLAS. A model driven through it runs the CUDA
 //! backend's step code on the CPU.
 
-use thaw_kernels::device::{AttnDims, DeviceBuf, DeviceOps, Elem, GemmCall, Paging, Tiles};
+use thaw_kernels::device::{
+    AttnDims, DeviceBuf, DeviceOps, Elem, GemmCall, GemvIn, GemvOut, Paging, Tiles,
+};
 
 /// Host memory standing in for a device allocation (8-byte aligned, zeroed).
 pub struct EmuBuf {
@@ -35,6 +37,109 @@ pub struct Emu;
 
 /// Largest weight matrix (elements) the emulator runs through the `gemv` kernel itself.
 pub const EMU_GEMV_MAX_ELEMS: usize = 1 << 16;
+
+/// The matrix-vector kernels of kernels.cu (the GPU picks by rows and `Gpu::gemv_wide`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemvKernel {
+    /// `gemv`: 1..=8 rows, 4 outputs per block.
+    Rows,
+    /// `gemv1`: one row, 4 outputs per block.
+    One,
+    /// `gemv1w`: one row, 8 outputs per block.
+    OneWide,
+}
+
+impl Emu {
+    /// [`DeviceOps::gemv`] through a chosen kernel.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_kernel(
+        &self,
+        kernel: GemvKernel,
+        w_kind: Elem,
+        outs: &[GemvOut],
+        x: &GemvIn,
+        beta: f32,
+    ) -> Result<(), EmuError> {
+        use thaw_kernels::device::GEMV_MAX_ROWS;
+        let rows_max = if kernel == GemvKernel::Rows {
+            GEMV_MAX_ROWS
+        } else {
+            1
+        };
+        if !x.fits(w_kind, outs, rows_max) {
+            return Err(EmuError(format!(
+                "gemv of {} rows of {} into {} matrices: unsupported",
+                x.rows,
+                x.in_dim,
+                outs.len()
+            )));
+        }
+        let (n, in_dim) = (x.rows, x.in_dim);
+        // Each block ends in warp reductions, which the emulator does with OS-thread barriers
+        // (~10 µs each): a SmolLM2-sized LM head would take minutes. Large products therefore
+        // take the GEMM's definition (the same contract); the kernel itself runs for the small
+        // ones — the tiny models' every decode product, and the kernel tests.
+        if outs.iter().map(|o| o.out_dim * in_dim).sum::<usize>() > EMU_GEMV_MAX_ELEMS {
+            let xs = match x.norm {
+                // The norm first (into a scratch row in W's kind, as the step does unfused).
+                Some(m) => {
+                    let xn = self.alloc(n * in_dim * 4)?;
+                    self.rmsnorm(x.x, 0, m.w, n, in_dim, m.eps, xn.ptr(), w_kind)?;
+                    Some(xn)
+                }
+                None => None,
+            };
+            let xp = xs.as_ref().map_or(x.x, |b| b.ptr());
+            for o in outs {
+                self.gemm(o.w, w_kind, o.out_dim, in_dim, xp, n, o.y, beta)?;
+            }
+            return Ok(());
+        }
+        let at = |i: usize| {
+            outs.get(i).copied().unwrap_or(GemvOut {
+                w: 0,
+                out_dim: 0,
+                y: 0,
+            })
+        };
+        let (a, b, c) = (at(0), at(1), at(2));
+        let which = match kernel {
+            GemvKernel::Rows => 0,
+            GemvKernel::One => 1,
+            GemvKernel::OneWide => 2,
+        };
+        // A small grid of small blocks (the kernel strides its output groups over the grid):
+        // every emulated thread is an OS thread.
+        // SAFETY: each W holds out_dim·in elements, x n·in, each y n·out_dim f32 (the caller's
+        // buffers); absent matrices have no outputs.
+        unsafe {
+            super::thaw_emu_gemv(
+                which,
+                2,
+                64,
+                a.w as *const u8,
+                b.w as *const u8,
+                c.w as *const u8,
+                a.y as *mut f32,
+                b.y as *mut f32,
+                c.y as *mut f32,
+                a.out_dim as i32,
+                b.out_dim as i32,
+                c.out_dim as i32,
+                w_kind.code(),
+                x.x as *const u8,
+                x.kind.code(),
+                n as i32,
+                in_dim as i32,
+                x.norm.map_or(std::ptr::null(), |m| m.w as *const f32),
+                x.norm.map_or(0.0, |m| m.eps),
+                beta,
+                1,
+            )
+        };
+        Ok(())
+    }
+}
 
 // Every emulated thread is an OS thread: blocks here are small (the kernels take any
 // multiple of 32 but attention's 128; `tests/cuda_emu.rs` covers the GPU's sizes) and
@@ -375,48 +480,12 @@ impl DeviceOps for Emu {
         }
         Ok(())
     }
-    fn gemv(
-        &self,
-        w: u64,
-        w_kind: Elem,
-        out_dim: usize,
-        in_dim: usize,
-        x: u64,
-        n: usize,
-        y: u64,
-        beta: f32,
-    ) -> Result<(), EmuError> {
-        if !thaw_kernels::device::gemv_fits(w, x, in_dim, n, thaw_kernels::device::GEMV_MAX_ROWS) {
-            return Err(EmuError(format!(
-                "gemv of {n} rows of {in_dim}: unsupported"
-            )));
-        }
-        // Each output ends in a warp reduction, which the emulator does with OS-thread barriers
-        // (~10 µs each): a SmolLM2-sized LM head would take minutes. Large products therefore
-        // take the GEMM's definition (the same contract); the kernel itself runs for the small
-        // ones — the tiny models' every decode product, and the kernel tests.
-        if out_dim * in_dim > EMU_GEMV_MAX_ELEMS {
-            return self.gemm(w, w_kind, out_dim, in_dim, x, n, y, beta);
-        }
-        // A small grid (the kernel strides outputs over its warps): every emulated thread is an
-        // OS thread.
-        // SAFETY: W holds out·in elements, x n·in, y n·out f32 (the caller's buffers).
-        unsafe {
-            super::thaw_emu_gemv(
-                2,
-                128,
-                w as *const u8,
-                w_kind.code(),
-                x as *const u8,
-                w_kind.code(),
-                n as i32,
-                out_dim as i32,
-                in_dim as i32,
-                y as *mut f32,
-                beta,
-                1,
-            )
+    fn gemv(&self, w_kind: Elem, outs: &[GemvOut], x: &GemvIn, beta: f32) -> Result<(), EmuError> {
+        let kernel = if x.rows == 1 {
+            GemvKernel::One
+        } else {
+            GemvKernel::Rows
         };
-        Ok(())
+        self.gemv_kernel(kernel, w_kind, outs, x, beta)
     }
 }

@@ -79,16 +79,25 @@ extern "C" {
     );
     fn thaw_emu_argmax_rows(rows: u32, block: u32, x: *const f32, n: i32, ids: *mut u32);
     fn thaw_emu_gemv(
+        which: i32,
         grid: u32,
         block: u32,
-        w: *const u8,
+        w0: *const u8,
+        w1: *const u8,
+        w2: *const u8,
+        y0: *mut f32,
+        y1: *mut f32,
+        y2: *mut f32,
+        n0: i32,
+        n1: i32,
+        n2: i32,
         w_kind: i32,
         x: *const u8,
         x_kind: i32,
         rows: i32,
-        n: i32,
         k: i32,
-        y: *mut f32,
+        norm: *const f32,
+        eps: f32,
         beta: f32,
         stream_w: i32,
     );

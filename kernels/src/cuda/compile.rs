@@ -29,6 +29,8 @@ pub const KERNELS: &[&str] = &[
     "attention_prefill",
     "argmax_rows",
     "gemv",
+    "gemv1",
+    "gemv1w",
     "read_probe",
 ];
 

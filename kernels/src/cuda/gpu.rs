@@ -81,12 +81,16 @@ struct Kernels {
     attention_prefill: CudaFunction,
     argmax_rows: CudaFunction,
     gemv: CudaFunction,
+    gemv1: CudaFunction,
+    gemv1w: CudaFunction,
     read_probe: CudaFunction,
 }
 
 pub struct Gpu {
     /// `gemv` streams its weights past L1 (default; off only for A/B measurements).
     pub gemv_stream_weights: std::sync::atomic::AtomicBool,
+    /// One-row `gemv` with 8 outputs per block (`gemv1w`) instead of 4 (`gemv1`).
+    pub gemv_wide: std::sync::atomic::AtomicBool,
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
     blas: CudaBlas,
@@ -157,6 +161,8 @@ impl Gpu {
             attention_prefill: f("attention_prefill")?,
             argmax_rows: f("argmax_rows")?,
             gemv: f("gemv")?,
+            gemv1: f("gemv1")?,
+            gemv1w: f("gemv1w")?,
             read_probe: f("read_probe")?,
         };
         // SAFETY: only probes whether the library can be opened (cudarc panics on a call into a
@@ -171,6 +177,7 @@ impl Gpu {
         let module_s = t.elapsed().as_secs_f64();
         Ok(Gpu {
             gemv_stream_weights: std::sync::atomic::AtomicBool::new(true),
+            gemv_wide: std::sync::atomic::AtomicBool::new(false),
             ctx,
             stream,
             blas,
@@ -564,47 +571,67 @@ impl DeviceOps for Gpu {
         }
         .map_err(drv)
     }
-    /// One warp per output (4 per block of 128 threads), x in W's kind.
-    #[allow(clippy::too_many_arguments)]
+    /// A block of 256 threads per 4 (or 8) outputs, up to three matrices per launch.
     fn gemv(
         &self,
-        w: u64,
         w_kind: Elem,
-        out_dim: usize,
-        in_dim: usize,
-        x: u64,
-        n: usize,
-        y: u64,
+        outs: &[crate::device::GemvOut],
+        x: &crate::device::GemvIn,
         beta: f32,
     ) -> Result<(), CudaError> {
-        if !crate::device::gemv_fits(w, x, in_dim, n, crate::device::GEMV_MAX_ROWS) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if !x.fits(w_kind, outs, crate::device::GEMV_MAX_ROWS) {
             return Err(CudaError::Unsupported(format!(
-                "gemv of {n} rows of {in_dim} (W at {w:#x}, x at {x:#x})"
+                "gemv of {} rows of {} into {} matrices (x at {:#x})",
+                x.rows,
+                x.in_dim,
+                outs.len(),
+                x.x
             )));
         }
-        let kind = w_kind.code();
-        let (rows, out, inn) = (n as i32, out_dim as i32, in_dim as i32);
-        let stream = self
-            .gemv_stream_weights
-            .load(std::sync::atomic::Ordering::Relaxed) as i32;
-        let mut b = self.stream.launch_builder(&self.k.gemv);
-        b.arg(&w)
+        let n = x.rows;
+        let wide = n == 1 && self.gemv_wide.load(Relaxed);
+        let (f, per_block) = match (n, wide) {
+            (1, true) => (&self.k.gemv1w, 8),
+            (1, false) => (&self.k.gemv1, 4),
+            _ => (&self.k.gemv, 4),
+        };
+        let (mut w, mut y, mut dims) = ([0u64; 3], [0u64; 3], [0i32; 3]);
+        for (i, o) in outs.iter().enumerate() {
+            (w[i], y[i], dims[i]) = (o.w, o.y, o.out_dim as i32);
+        }
+        let blocks: usize = outs.iter().map(|o| o.out_dim.div_ceil(per_block)).sum();
+        let (kind, x_kind) = (w_kind.code(), x.kind.code());
+        let (rows, inn) = (n as i32, x.in_dim as i32);
+        let (norm, eps) = x.norm.map_or((0u64, 0f32), |m| (m.w, m.eps));
+        let stream = self.gemv_stream_weights.load(Relaxed) as i32;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&w[0])
+            .arg(&w[1])
+            .arg(&w[2])
+            .arg(&y[0])
+            .arg(&y[1])
+            .arg(&y[2])
+            .arg(&dims[0])
+            .arg(&dims[1])
+            .arg(&dims[2])
             .arg(&kind)
-            .arg(&x)
-            .arg(&kind)
+            .arg(&x.x)
+            .arg(&x_kind)
             .arg(&rows)
-            .arg(&out)
             .arg(&inn)
-            .arg(&y)
+            .arg(&norm)
+            .arg(&eps)
             .arg(&beta)
             .arg(&stream);
         let cfg = LaunchConfig {
-            grid_dim: (out_dim.div_ceil(4) as u32, 1, 1),
-            block_dim: (128, 1, 1),
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: W holds out·in elements of w_kind, x n·in, y n·out f32 (the caller's
-        // buffers); alignment and sizes checked above.
+        // SAFETY: each W holds out_dim·in elements of w_kind, x n·in of its kind, a norm in f32,
+        // each y n·out_dim f32 (the caller's buffers); alignment and kinds checked above; absent
+        // matrices have 0 outputs.
         unsafe { b.launch(cfg) }.map_err(drv)?;
         Ok(())
     }

@@ -60,6 +60,13 @@ __device__ __forceinline__ void store_elem(void* p, i64 i, float v, int kind) {
     else ((u16*)p)[i] = f32_to_f16(v);
 }
 
+// `v` rounded to kind `kind` and back (what storing it as that kind and loading it gives).
+__device__ __forceinline__ float round_to(float v, int kind) {
+    if (kind == 1) return bf16_to_f32(f32_to_bf16(v));
+    if (kind == 2) return f16_to_f32(f32_to_f16(v));
+    return v;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
@@ -205,6 +212,7 @@ struct RowState {
 // Warps of the per-row (decode) attention kernel: a decode row is one block per KV head, so
 // positions are split over many warps (4 left an H200's decode step 36 µs per layer in it).
 #define DEC_WARPS 8
+#define DEC_UNROLL 4  // positions a warp has in flight
 
 // Causal GQA attention over a paged cache. Grid: (rows, kv heads); block: DEC_WARPS warps. The
 // block serves the `group` query heads that share KV head `blockIdx.y`, so each key and value row
@@ -227,18 +235,30 @@ attention(const float* q, const void* kc, const void* vc, int kv_kind, const u32
 
     RowState st;
     st.init(q, (i64)r * n_heads + kvh * group, group, hd, lane);
-    for (u32 p = warp; p <= pos; p += DEC_WARPS) {
-        i64 base = (i64)table[p / block_size] * block_stride + layer_off +
-                   (i64)(p % block_size) * kv_dim + (i64)kvh * hd;
-        float kk[ATT_MAX_PER_LANE], vv[ATT_MAX_PER_LANE];
+    // DEC_UNROLL of the warp's positions are loaded before the first is folded in: each
+    // position is a dependent pair of loads (block table, then keys and values), and one at a
+    // time a warp waited out that latency per position (24 µs per layer on an H200 at ~100
+    // positions). Positions are still folded in the same order.
+    for (u32 p0 = warp; p0 <= pos; p0 += DEC_WARPS * DEC_UNROLL) {
+        float kk[DEC_UNROLL][ATT_MAX_PER_LANE], vv[DEC_UNROLL][ATT_MAX_PER_LANE];
 #pragma unroll
-        for (int j = 0; j < ATT_MAX_PER_LANE; j++) {
-            int d = lane + 32 * j;
-            bool ok = j < per && d < hd;
-            kk[j] = ok ? load_elem(kc, base + d, kv_kind) : 0.0f;
-            vv[j] = ok ? load_elem(vc, base + d, kv_kind) : 0.0f;
+        for (int u = 0; u < DEC_UNROLL; u++) {
+            u32 p = p0 + u * DEC_WARPS;
+            bool in = p <= pos;
+            i64 base = in ? (i64)table[p / block_size] * block_stride + layer_off +
+                                (i64)(p % block_size) * kv_dim + (i64)kvh * hd
+                          : 0;
+#pragma unroll
+            for (int j = 0; j < ATT_MAX_PER_LANE; j++) {
+                int d = lane + 32 * j;
+                bool ok = in && j < per && d < hd;
+                kk[u][j] = ok ? load_elem(kc, base + d, kv_kind) : 0.0f;
+                vv[u][j] = ok ? load_elem(vc, base + d, kv_kind) : 0.0f;
+            }
         }
-        st.add(kk, vv, group, scale);
+#pragma unroll
+        for (int u = 0; u < DEC_UNROLL; u++)
+            if (p0 + u * DEC_WARPS <= pos) st.add(kk[u], vv[u], group, scale);
     }
     // Merge the warps: each publishes (m, l, acc) per head; warp 0 combines them.
     __shared__ float sm[DEC_WARPS][ATT_MAX_GROUP], sl[DEC_WARPS][ATT_MAX_GROUP];
@@ -414,59 +434,140 @@ __device__ __forceinline__ void load4(const void* p, i64 i, int kind, int stream
 }
 
 // Matrix-vector products for decode: `y[r, n] = Σ_k W[n, k]·x[r, k] + beta·y[r, n]` for
-// r < rows ≤ GEMV_MAX_ROWS, W `[N, K]` row-major, x in `x_kind`, y f32, f32 accumulation.
-// A decode step is a read of every weight once; a GEMM library tiles a one-row product over
-// too few blocks to keep HBM busy. Here one warp owns one output n: its lanes read the weight
-// row in 256-byte coalesced pieces, four pieces in flight before the first multiply, and every
-// batch row reuses each weight element from registers. Each warp re-reads x, so it must come
-// from L1: with `stream_w` the weights bypass L1 instead of evicting it. K a multiple of 4, W
-// and x 8-byte aligned (the caller checks).
+// r < rows ≤ GEMV_MAX_ROWS, W `[N, K]` row-major, x in `x_kind`, y f32, f32 accumulation — for
+// up to three matrices that share x and K in one launch (q, k, v; gate, up), so the small ones
+// (k, v: 8 MB on an 8B model) do not each pay a launch and a half-empty grid.
+//
+// A decode step reads every weight once; a GEMM library tiles a one-row product over too few
+// blocks to keep HBM busy. Here a block owns OUTS consecutive outputs of one matrix and splits
+// K over all its threads: each thread reads 4 elements of each of the OUTS rows per step (OUTS
+// independent 8-byte loads in flight before the first multiply; a warp's loads of one row are
+// 256 contiguous bytes), multiplies them by the same 4 elements of x (read once per block, not
+// once per output), and the block reduces its partial sums through shared memory. Weights are
+// read once by one thread, so with `stream_w` they bypass L1 (x stays there). K a multiple of
+// 4, W and x 8-byte aligned (the caller checks). Blocks beyond the grid are strided (the
+// emulator runs a small grid; a GPU launch has a block per OUTS outputs).
+//
+// With `norm` (f32 weights, K of them), x is the f32 residual and the product is of its RMSNorm,
+// as the `rmsnorm` kernel would have stored it: each block first sums x² over the row (x is
+// small and cached; the weights are what streams from memory), then multiplies W by
+// x·scale·norm rounded to W's kind — the same activations the unfused step (and the CPU) feed
+// the product, without a kernel of their own or a round trip through memory.
 #define GEMV_MAX_ROWS 8
-KERNEL void gemv(const void* w, int w_kind, const void* x, int x_kind, int rows, int N, int K,
-                 float* y, float beta, int stream_w) {
-    int lane = threadIdx.x & 31;
-    int warps = (int)(((i64)gridDim.x * blockDim.x) >> 5);
+#define GEMV_MAX_WARPS 8
+
+template <int ROWS, int OUTS>
+__device__ __forceinline__ void gemv_body(const void* const* ws, float* const* ys, const int* ns,
+                                          int w_kind, const void* x, int x_kind, int rows, int K,
+                                          const float* norm, float eps, float beta, int stream_w,
+                                          float (*red)[OUTS * ROWS + ROWS]) {
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5, nwarps = blockDim.x >> 5;
     const int groups = K >> 2;
-    // Outputs strided over the grid's warps (the emulator runs a small grid; a GPU launch has a
-    // warp per output). The bound is the same for a whole warp, so its shuffles stay together.
-    for (int n = (int)((blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5); n < N; n += warps) {
-        float acc[GEMV_MAX_ROWS];
+    const int b0 = (ns[0] + OUTS - 1) / OUTS, b1 = (ns[1] + OUTS - 1) / OUTS;
+    const int total = b0 + b1 + (ns[2] + OUTS - 1) / OUTS;
+    for (int b = blockIdx.x; b < total; b += gridDim.x) {
+        const int m = b < b0 ? 0 : b < b0 + b1 ? 1 : 2;
+        const int o0 = (b - (m == 0 ? 0 : m == 1 ? b0 : b0 + b1)) * OUTS;
+        const int N = ns[m], outs = N - o0 < OUTS ? N - o0 : OUTS;
+        const void* w = ws[m];
+        float acc[OUTS][ROWS], scale[ROWS];
         #pragma unroll
-        for (int r = 0; r < GEMV_MAX_ROWS; r++) acc[r] = 0.0f;
-        const i64 wrow = (i64)n * K;
-        for (int g0 = lane; g0 < groups; g0 += 32 * 4) {
-            float wv[4][4];
+        for (int r = 0; r < ROWS; r++) {
+            scale[r] = 1.0f;
             #pragma unroll
-            for (int u = 0; u < 4; u++) {
-                int g = g0 + 32 * u;
-                if (g < groups) load4(w, wrow + 4 * (i64)g, w_kind, stream_w, wv[u]);
-            }
+            for (int o = 0; o < OUTS; o++) acc[o][r] = 0.0f;
+        }
+        if (norm) {
+            float ss[ROWS];
             #pragma unroll
-            for (int r = 0; r < GEMV_MAX_ROWS; r++) {
-                if (r >= rows) break;
+            for (int r = 0; r < ROWS; r++) ss[r] = 0.0f;
+            for (int g = t; g < groups; g += blockDim.x) {
                 #pragma unroll
-                for (int u = 0; u < 4; u++) {
-                    int g = g0 + 32 * u;
-                    if (g < groups) {
-                        float xv[4];
-                        load4(x, (i64)r * K + 4 * (i64)g, x_kind, 0, xv);
-                        acc[r] += wv[u][0] * xv[0] + wv[u][1] * xv[1] + wv[u][2] * xv[2] +
-                                  wv[u][3] * xv[3];
-                    }
+                for (int r = 0; r < ROWS; r++) {
+                    if (r >= rows) break;
+                    float xv[4];
+                    load4(x, (i64)r * K + 4 * (i64)g, 0, 0, xv);
+                    ss[r] += xv[0] * xv[0] + xv[1] * xv[1] + xv[2] * xv[2] + xv[3] * xv[3];
                 }
             }
-        }
-        #pragma unroll
-        for (int r = 0; r < GEMV_MAX_ROWS; r++) {
-            if (r >= rows) break;
-            float v = warp_sum(acc[r]);
-            if (lane == 0) {
-                i64 o = (i64)r * N + n;
-                y[o] = beta == 0.0f ? v : v + beta * y[o];
+            #pragma unroll
+            for (int r = 0; r < ROWS; r++) {
+                if (r >= rows) break;
+                float v = warp_sum(ss[r]);
+                if (lane == 0) red[warp][OUTS * ROWS + r] = v;
+            }
+            __syncthreads();
+            #pragma unroll
+            for (int r = 0; r < ROWS; r++) {
+                if (r >= rows) break;
+                float sq = 0.0f;
+                for (int k = 0; k < nwarps; k++) sq += red[k][OUTS * ROWS + r];
+                scale[r] = 1.0f / sqrtf(sq / (float)K + eps);
             }
         }
+        for (int g = t; g < groups; g += blockDim.x) {
+            float wv[OUTS][4], nv[4];
+            #pragma unroll
+            for (int o = 0; o < OUTS; o++) {
+                // A last block's missing rows read row o0 again (in bounds) and are not stored.
+                const int row = o0 + (o < outs ? o : 0);
+                load4(w, (i64)row * K + 4 * (i64)g, w_kind, stream_w, wv[o]);
+            }
+            if (norm) load4(norm, 4 * (i64)g, 0, 0, nv);
+            #pragma unroll
+            for (int r = 0; r < ROWS; r++) {
+                if (r >= rows) break;
+                float xv[4];
+                load4(x, (i64)r * K + 4 * (i64)g, x_kind, 0, xv);
+                if (norm) {
+                    #pragma unroll
+                    for (int i = 0; i < 4; i++) xv[i] = round_to(xv[i] * scale[r] * nv[i], w_kind);
+                }
+                #pragma unroll
+                for (int o = 0; o < OUTS; o++)
+                    acc[o][r] += wv[o][0] * xv[0] + wv[o][1] * xv[1] + wv[o][2] * xv[2] +
+                                 wv[o][3] * xv[3];
+            }
+        }
+        #pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+            if (r >= rows) break;
+            #pragma unroll
+            for (int o = 0; o < OUTS; o++) {
+                float v = warp_sum(acc[o][r]);
+                if (lane == 0) red[warp][o * ROWS + r] = v;
+            }
+        }
+        __syncthreads();
+        if (t < outs * rows) {
+            const int o = t / rows, r = t % rows;
+            float v = 0.0f;
+            for (int k = 0; k < nwarps; k++) v += red[k][o * ROWS + r];
+            const i64 i = (i64)r * N + o0 + o;
+            float* y = ys[m];
+            y[i] = beta == 0.0f ? v : v + beta * y[i];
+        }
+        __syncthreads();  // `red` is reused by the next block's outputs
     }
 }
+
+#define GEMV_ARGS                                                                               \
+    const void *w0, const void *w1, const void *w2, float *y0, float *y1, float *y2, int n0,     \
+        int n1, int n2, int w_kind, const void *x, int x_kind, int rows, int K,                  \
+        const float *norm, float eps, float beta, int stream_w
+#define GEMV_CALL(ROWS, OUTS)                                                                   \
+    const void* ws[3] = {w0, w1, w2};                                                            \
+    float* ys[3] = {y0, y1, y2};                                                                 \
+    const int ns[3] = {n0, n1, n2};                                                              \
+    __shared__ float red[GEMV_MAX_WARPS][(OUTS) * (ROWS) + (ROWS)];                              \
+    gemv_body<ROWS, OUTS>(ws, ys, ns, w_kind, x, x_kind, rows, K, norm, eps, beta, stream_w, red)
+
+// Batch rows 2..=8 (registers for 8 rows), one row (the decode that matters: fewer registers,
+// more blocks resident), one row with 8 outputs per block (twice the loads in flight per
+// thread; `Gpu::gemv_wide` picks between the two one-row forms).
+KERNEL void gemv(GEMV_ARGS) { GEMV_CALL(GEMV_MAX_ROWS, 4); }
+KERNEL void gemv1(GEMV_ARGS) { GEMV_CALL(1, 4); }
+KERNEL void gemv1w(GEMV_ARGS) { GEMV_CALL(1, 8); }
 
 // Device-memory read bandwidth probe: sums `n` floats (each thread a strided slice), so the
 // roofline is measured on the device in the same run as the decode it bounds.

@@ -28,7 +28,9 @@ mod load;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use thaw_kernels::device::{gemv_fits, AttnDims, DeviceBuf, DeviceOps, Elem, Paging, Tiles};
+use thaw_kernels::device::{
+    AttnDims, DeviceBuf, DeviceOps, Elem, GemvIn, GemvNorm, GemvOut, Paging, Tiles,
+};
 use thaw_loader::{Dtype, LoadStats};
 
 use crate::model::SeqChunk;
@@ -143,6 +145,9 @@ pub struct DeviceLlama<D: DeviceOps> {
     /// cuBLAS (default 0, cuBLAS only: measured faster; `THAW_CUDA_GEMV_ROWS` or
     /// [`DeviceLlama::set_gemv_max_rows`] for A/B measurements).
     gemv_max_rows: AtomicUsize,
+    /// Decode products by the matrix-vector kernel take their RMSNorm folded in (default; off
+    /// only for A/B measurements).
+    fused_norm: AtomicBool,
 }
 
 /// The model on a CUDA GPU.
@@ -168,6 +173,11 @@ impl<D: DeviceOps> DeviceLlama<D> {
     /// Products of at most `rows` rows use the matrix-vector kernel (0: cuBLAS for all).
     pub fn set_gemv_max_rows(&self, rows: usize) {
         self.gemv_max_rows.store(rows, Ordering::Relaxed);
+    }
+
+    /// Whether decode products by the matrix-vector kernel fold in their RMSNorm.
+    pub fn set_fused_norm(&self, on: bool) {
+        self.fused_norm.store(on, Ordering::Relaxed);
     }
 
     pub fn load_stats(&self) -> &LoadStats {
@@ -262,13 +272,50 @@ impl<D: DeviceOps> DeviceLlama<D> {
         let act = self.act;
         let e = dev_err;
         let gemv_rows = self.gemv_max_rows.load(Ordering::Relaxed);
-        let gemm = |w: &Mat, x: u64, rows: usize, y: u64, beta: f32| {
-            if gemv_fits(w.ptr, x, w.cols, rows, gemv_rows) {
-                g.gemv(w.ptr, w.kind, w.rows, w.cols, x, rows, y, beta)
-            } else {
-                g.gemm(w.ptr, w.kind, w.rows, w.cols, x, rows, y, beta)
+        let fuse_norm = self.fused_norm.load(Ordering::Relaxed);
+        // Products sharing their input (q, k, v; gate, up): one matrix-vector launch where the
+        // kernel takes them all (decode rows), cuBLAS otherwise. With `norm` the input is the
+        // RMSNorm of the f32 residual `x`: folded into the matrix-vector kernel when it runs,
+        // else the norm kernel writes the normalized rows first.
+        let prod = |ws: &[(&Mat, u64)], x: u64, norm: Option<u64>, rows: usize, beta: f32| {
+            let w0 = ws[0].0;
+            let same = ws
+                .iter()
+                .all(|(w, _)| w.kind == w0.kind && w.cols == w0.cols);
+            let outs: Vec<GemvOut> = ws
+                .iter()
+                .map(|&(w, y)| GemvOut {
+                    w: w.ptr,
+                    out_dim: w.rows,
+                    y,
+                })
+                .collect();
+            let input = |x: u64, kind: Elem, norm: Option<GemvNorm>| GemvIn {
+                x,
+                kind,
+                rows,
+                in_dim: w0.cols,
+                norm,
+            };
+            let mut x = x;
+            if let Some(w) = norm {
+                let fused = input(x, Elem::F32, Some(GemvNorm { w, eps }));
+                if same && fuse_norm && fused.fits(w0.kind, &outs, gemv_rows) {
+                    return g.gemv(w0.kind, &outs, &fused, beta).map_err(e);
+                }
+                g.rmsnorm(x, 0, w, rows, w0.cols, eps, s.xn.ptr(), act)
+                    .map_err(e)?;
+                x = s.xn.ptr();
             }
-            .map_err(e)
+            let plain = input(x, act, None);
+            if same && plain.fits(w0.kind, &outs, gemv_rows) {
+                return g.gemv(w0.kind, &outs, &plain, beta).map_err(e);
+            }
+            for &(w, y) in ws {
+                g.gemm(w.ptr, w.kind, w.rows, w.cols, x, rows, y, beta)
+                    .map_err(e)?;
+            }
+            Ok(())
         };
         g.embed(
             self.embed.ptr,
@@ -280,11 +327,8 @@ impl<D: DeviceOps> DeviceLlama<D> {
         )
         .map_err(e)?;
         for (li, l) in self.layers.iter().enumerate() {
-            g.rmsnorm(s.x.ptr(), 0, l.attn_norm.ptr(), n, h, eps, s.xn.ptr(), act)
-                .map_err(e)?;
-            gemm(&l.q, s.xn.ptr(), n, s.q.ptr(), 0.0)?;
-            gemm(&l.k, s.xn.ptr(), n, s.k.ptr(), 0.0)?;
-            gemm(&l.v, s.xn.ptr(), n, s.v.ptr(), 0.0)?;
+            let qkv = [(&l.q, s.q.ptr()), (&l.k, s.k.ptr()), (&l.v, s.v.ptr())];
+            prod(&qkv, s.x.ptr(), Some(l.attn_norm.ptr()), n, 0.0)?;
             for (buf, bias, d) in [
                 (&s.q, &l.q_bias, qd),
                 (&s.k, &l.k_bias, kvd),
@@ -343,14 +387,12 @@ impl<D: DeviceOps> DeviceLlama<D> {
                 g.attention(q, kc, vc, kv.kind, paging, n, dims, att, act)
                     .map_err(e)?;
             }
-            gemm(&l.o, s.att.ptr(), n, s.x.ptr(), 1.0)?;
-            g.rmsnorm(s.x.ptr(), 0, l.mlp_norm.ptr(), n, h, eps, s.xn.ptr(), act)
-                .map_err(e)?;
-            gemm(&l.gate, s.xn.ptr(), n, s.g.ptr(), 0.0)?;
-            gemm(&l.up, s.xn.ptr(), n, s.u.ptr(), 0.0)?;
+            prod(&[(&l.o, s.x.ptr())], s.att.ptr(), None, n, 1.0)?;
+            let gate_up = [(&l.gate, s.g.ptr()), (&l.up, s.u.ptr())];
+            prod(&gate_up, s.x.ptr(), Some(l.mlp_norm.ptr()), n, 0.0)?;
             g.silu_mul(s.g.ptr(), s.u.ptr(), s.hid.ptr(), act, n * ffn)
                 .map_err(e)?;
-            gemm(&l.down, s.hid.ptr(), n, s.x.ptr(), 1.0)?;
+            prod(&[(&l.down, s.x.ptr())], s.hid.ptr(), None, n, 1.0)?;
         }
         g.rmsnorm(
             s.x.ptr(),
@@ -363,7 +405,7 @@ impl<D: DeviceOps> DeviceLlama<D> {
             act,
         )
         .map_err(e)?;
-        gemm(&self.lm_head, s.xn.ptr(), p, s.logits.ptr(), 0.0)?;
+        prod(&[(&self.lm_head, s.logits.ptr())], s.xn.ptr(), None, p, 0.0)?;
         if greedy {
             g.argmax_rows(s.logits.ptr(), p, c.vocab_size, s.ids.ptr())
                 .map_err(e)?;
