@@ -164,9 +164,13 @@ fn prefill_rate(m: &CudaLlama, len: usize) -> Result<f64> {
     Ok(best)
 }
 
-fn decode_rate(m: &CudaLlama, batch: usize, steps: usize) -> Result<f64> {
+/// Decode tokens/s of `batch` sequences after a 32-token prefill each, the timed steps at
+/// positions `ctx`, `ctx + 1`, … (`ctx` > 32: a long context whose keys and values past the
+/// prompt are the cache's zeros — attention's cost is the same).
+fn decode_rate(m: &CudaLlama, batch: usize, steps: usize, ctx: usize) -> Result<f64> {
     let vocab = m.cfg.vocab_size;
-    let per_seq = (32 + steps + 1).div_ceil(16);
+    let ctx = ctx.max(32);
+    let per_seq = (ctx + steps + 2).div_ceil(16);
     let mut kv = m.new_kv(16, per_seq * batch)?;
     let tables: Vec<Vec<u32>> = (0..batch)
         .map(|b| ((b * per_seq) as u32..((b + 1) * per_seq) as u32).collect())
@@ -189,7 +193,7 @@ fn decode_rate(m: &CudaLlama, batch: usize, steps: usize) -> Result<f64> {
         let chunks: Vec<SeqChunk> = (0..batch)
             .map(|b| SeqChunk {
                 tokens: &next[b],
-                start: 32 + s,
+                start: ctx + s,
                 table: &tables[b],
             })
             .collect();
@@ -293,6 +297,7 @@ fn big_model(dir: &PathBuf, a: &GpuArgs, h2d: f64, read_bw: f64) -> Result<Value
     );
     let wb = m.weight_bytes() as f64;
     let roof1 = read_bw / wb;
+    let gemv_default = m.gemv_max_rows();
     let mut dec = vec![];
     // Decode A/B in one run: the matrix-vector kernels (rows ≤ GEMV_MAX_ROWS) vs cuBLAS alone.
     // "gemv" streams the weights past L1, 4 outputs per block; "gemv-wide" 8 outputs per block
@@ -326,7 +331,7 @@ fn big_model(dir: &PathBuf, a: &GpuArgs, h2d: f64, read_bw: f64) -> Result<Value
             .gemv_wide
             .store(mode == "gemv-wide", std::sync::atomic::Ordering::Relaxed);
         m.set_fused_norm(mode != "gemv-unfused");
-        let r = decode_rate(&m, batch, a.steps)?;
+        let r = decode_rate(&m, batch, a.steps, 32)?;
         let roof = roof1 * batch as f64;
         println!(
             "decode batch {batch:>2} ({mode}): {r:.1} tokens/s; roofline {roof:.1} ({:.0}%)",
@@ -342,6 +347,25 @@ fn big_model(dir: &PathBuf, a: &GpuArgs, h2d: f64, read_bw: f64) -> Result<Value
         .gemv_wide
         .store(false, std::sync::atomic::Ordering::Relaxed);
     m.set_fused_norm(true);
+    // Long contexts: decode attention split over blocks (flash-decoding) vs one block per row
+    // and KV head, the products as by default.
+    m.set_gemv_max_rows(gemv_default);
+    let mut long = vec![];
+    for (batch, ctx) in [(1usize, 4096usize), (8, 4096)] {
+        for split in [true, false] {
+            m.set_split_attention(split);
+            let r = decode_rate(&m, batch, a.steps, ctx)?;
+            println!(
+                "decode batch {batch} at {ctx} positions ({} attention): {r:.1} tokens/s",
+                if split { "split" } else { "whole-row" }
+            );
+            long.push(
+                json!({"batch": batch, "context": ctx, "split_attention": split,
+                             "tokens_per_s": r}),
+            );
+        }
+    }
+    m.set_split_attention(true);
     m.set_gemv_max_rows(thaw_kernels::device::GEMV_MAX_ROWS);
     // Prefill attention A/B in one run: the flash-style tiled kernel vs the per-row kernel.
     let mut pre = vec![];
@@ -357,7 +381,7 @@ fn big_model(dir: &PathBuf, a: &GpuArgs, h2d: f64, read_bw: f64) -> Result<Value
     m.set_tiled_prefill(true);
     Ok(json!({
         "model": dir, "bytes": st.bytes, "load_s": st.total_s, "load_gb_per_s": load_gbs,
-        "prefill": pre,
+        "prefill": pre, "decode_long_context": long,
         "fraction_of_pinned_h2d": load_gbs * 1e9 / h2d, "strategy": st.strategy,
         "phases_s": {"device_init": p.context_s, "compile": p.compile_s,
                      "compile_cache_hit": p.compile_cache_hit, "module_load": p.module_s,
@@ -388,7 +412,7 @@ fn profile_decode(a: &GpuArgs) -> Result<()> {
     let m = CudaLlama::load(dir, &LoadOptions::default(), a.device)?;
     for (rows, mode) in [(thaw_kernels::device::GEMV_MAX_ROWS, "gemv"), (0, "cuBLAS")] {
         m.set_gemv_max_rows(rows);
-        let r = decode_rate(&m, 1, a.steps)?;
+        let r = decode_rate(&m, 1, a.steps, 32)?;
         println!("profile: decode batch 1 ({mode}): {r:.1} tokens/s");
     }
     Ok(())

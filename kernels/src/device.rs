@@ -72,6 +72,54 @@ pub struct Paging {
     pub layer_off: usize,
 }
 
+/// Flash-decoding for [`DeviceOps::attention`]: each row's positions in splits of `chunk`
+/// (at most `n` splits), each split a block of its own, combined by a second kernel through
+/// `partials` ([`Split::partial_floats`] f32). A decode row is otherwise one block per KV head
+/// — 8 blocks for a Llama-3-8B row on a GPU of 132 multiprocessors, each walking the whole
+/// context.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Split {
+    pub chunk: usize,
+    pub n: usize,
+    pub partials: u64,
+}
+
+impl Split {
+    /// No split: one block per row and KV head.
+    pub const NONE: Split = Split {
+        chunk: 0,
+        n: 1,
+        partials: 0,
+    };
+
+    /// `(chunk, n)` for `rows` rows over `kv_heads` KV heads whose longest row has
+    /// `max_pos + 1` positions: as many splits as bring the grid to about `target_blocks`, none
+    /// of fewer than `min_chunk` positions; `(0, 1)` where one split per row is all that fits.
+    pub fn plan(
+        rows: usize,
+        kv_heads: usize,
+        max_pos: usize,
+        target_blocks: usize,
+        min_chunk: usize,
+    ) -> (usize, usize) {
+        let len = max_pos + 1;
+        if min_chunk == 0 {
+            return (0, 1);
+        }
+        let n = (target_blocks / (rows * kv_heads).max(1)).min(len / min_chunk);
+        if n <= 1 {
+            return (0, 1);
+        }
+        let chunk = len.div_ceil(n);
+        (chunk, len.div_ceil(chunk))
+    }
+
+    /// f32 elements of the partials buffer for `rows` rows of `n_heads` heads in `n` splits.
+    pub fn partial_floats(rows: usize, n_heads: usize, n: usize, head_dim: usize) -> usize {
+        rows * n_heads * n * (head_dim + 2)
+    }
+}
+
 /// Query tiles for [`DeviceOps::attention_prefill`]: tile `t` is `count[t]` (at most
 /// [`PREFILL_TILE`]) consecutive rows of one sequence starting at row `row0[t]`.
 #[derive(Debug, Clone, Copy)]
@@ -263,7 +311,8 @@ pub trait DeviceOps: Send + Sync + 'static {
         slots: u64,
         layer_off: usize,
     ) -> Result<(), Self::Error>;
-    /// Causal paged GQA attention for `n` query rows.
+    /// Causal paged GQA attention for `n` query rows, each row's positions cut into `split`
+    /// (flash-decoding; [`Split::NONE`]: one block per row and KV head).
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -276,7 +325,13 @@ pub trait DeviceOps: Send + Sync + 'static {
         shape: AttnDims,
         out: u64,
         out_kind: Elem,
+        split: Split,
     ) -> Result<(), Self::Error>;
+    /// How [`DeviceOps::attention`] should split long rows here: (blocks that keep the device
+    /// busy, fewest positions worth a split of their own). `(0, 0)`: never.
+    fn attention_split_target(&self) -> (usize, usize) {
+        (0, 0)
+    }
     /// Causal attention for tiles of consecutive prefill rows, keys and values staged on chip
     /// and shared by a tile's rows (flash-style).
     #[allow(clippy::too_many_arguments)]
@@ -319,4 +374,41 @@ pub trait DeviceOps: Send + Sync + 'static {
         x: &GemvIn,
         beta: f32,
     ) -> Result<(), Self::Error>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Split;
+
+    /// Splits cover each row's positions in at most `n` pieces of `chunk`, keep the grid near
+    /// the target, are never shorter than the minimum, and vanish where one block per row and
+    /// KV head already fills the device or the context is short.
+    #[test]
+    fn split_plans_cover_long_rows_and_stay_off_short_ones() {
+        // An 8B decode row (8 KV heads) on 132 multiprocessors, target 528 blocks.
+        assert_eq!(Split::plan(1, 8, 99, 528, 128), (0, 1));
+        assert_eq!(Split::plan(1, 8, 4095, 528, 128), (128, 32));
+        assert_eq!(Split::plan(32, 8, 4095, 528, 128), (2048, 2));
+        assert_eq!(Split::plan(64, 8, 4095, 528, 128), (0, 1));
+        assert_eq!(Split::plan(1, 8, 4095, 528, 0), (0, 1));
+        for rows in [1usize, 2, 3, 7, 16] {
+            for max_pos in [0usize, 15, 16, 31, 127, 128, 1000, 5000] {
+                let (chunk, n) = Split::plan(rows, 2, max_pos, 64, 16);
+                let len = max_pos + 1;
+                if chunk == 0 {
+                    assert_eq!(n, 1);
+                    continue;
+                }
+                assert!(
+                    n >= 2 && n * rows * 2 <= 64,
+                    "{rows} rows, {len}: {n} splits"
+                );
+                assert!(
+                    chunk >= 16 && chunk * n >= len && chunk * (n - 1) < len,
+                    "{chunk}×{n} for {len}"
+                );
+            }
+        }
+        assert_eq!(Split::partial_floats(2, 4, 3, 8), 2 * 4 * 3 * 10);
+    }
 }

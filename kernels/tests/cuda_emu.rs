@@ -426,30 +426,35 @@ fn rope_store_and_paged_attention_match_the_cpu() {
                 _ => (KvData::Bf16(&k16), KvData::Bf16(&v16)),
             };
             ops::paged_attention(pool, &q, kd, vd, &prows, store, shape, &mut want);
-            let mut got = vec![0u8; n * nh * hd * 4];
-            emu::attention(
-                &q,
-                &kc,
-                &vc,
-                kind,
-                &pos,
-                &toff,
-                &tables,
-                emu::Paging {
-                    block_size: c.block_size,
-                    block_stride: c.stride(),
-                    layer_off: c.layer_off(),
-                },
-                c.h,
-                &mut got,
-                emu::Kind::F32,
-            );
-            assert_close(
-                &f32s(&got),
-                &want,
-                2e-5,
-                &format!("attention {:?} {kind:?}", c.h),
-            );
+            // Whole rows per block, and flash-decoding in splits of 32 positions (rows past
+            // 32 positions merged from 2–3 splits, shorter ones finished in their one).
+            for chunk in [0, 32] {
+                let mut got = vec![0u8; n * nh * hd * 4];
+                emu::attention(
+                    &q,
+                    &kc,
+                    &vc,
+                    kind,
+                    &pos,
+                    &toff,
+                    &tables,
+                    emu::Paging {
+                        block_size: c.block_size,
+                        block_stride: c.stride(),
+                        layer_off: c.layer_off(),
+                    },
+                    c.h,
+                    &mut got,
+                    emu::Kind::F32,
+                    chunk,
+                );
+                assert_close(
+                    &f32s(&got),
+                    &want,
+                    2e-5,
+                    &format!("attention {:?} {kind:?}, splits of {chunk}", c.h),
+                );
+            }
             // The flash-style prefill kernel over tiles of up to 4 consecutive rows of one
             // sequence (every row in some tile): the same outputs.
             let mut tiles: Vec<(u32, u32)> = vec![];

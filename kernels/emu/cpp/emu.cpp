@@ -121,11 +121,16 @@ void thaw_emu_attention(unsigned rows, unsigned kv_heads, const float* q, const 
                         const void* vc, int kv_kind, const u32* rows_map, const u32* pos,
                         const u32* table_off, const u32* tables, int block_size, i64 block_stride,
                         i64 layer_off, int n_heads, int n_kv, int hd, float scale, void* out,
-                        int out_kind) {
-    launch(rows, kv_heads, DEC_WARPS * 32, [=] {
+                        int out_kind, int chunk, int nsplit, float* part) {
+    launch(rows, kv_heads * (unsigned)nsplit, DEC_WARPS * 32, [=] {
         attention(q, kc, vc, kv_kind, rows_map, pos, table_off, tables, block_size, block_stride,
-                  layer_off, n_heads, n_kv, hd, scale, out, out_kind);
+                  layer_off, n_heads, n_kv, hd, scale, out, out_kind, chunk, nsplit, part);
     });
+    if (chunk > 0) {
+        launch(rows, (unsigned)n_heads, 32, [=] {
+            attention_merge(part, rows_map, pos, chunk, nsplit, n_heads, hd, out, out_kind);
+        });
+    }
 }
 void thaw_emu_attention_prefill(unsigned tiles, unsigned kv_heads, const float* q, const void* kc,
                                 const void* vc, int kv_kind, const u32* tile_row0,

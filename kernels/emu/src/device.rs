@@ -4,7 +4,7 @@
 //! backend's step code on the CPU.
 
 use thaw_kernels::device::{
-    AttnDims, DeviceBuf, DeviceOps, Elem, GemmCall, GemvIn, GemvOut, Paging, Tiles,
+    AttnDims, DeviceBuf, DeviceOps, Elem, GemmCall, GemvIn, GemvOut, Paging, Split, Tiles,
 };
 
 /// Host memory standing in for a device allocation (8-byte aligned, zeroed).
@@ -349,9 +349,15 @@ impl DeviceOps for Emu {
         s: AttnDims,
         out: u64,
         out_kind: Elem,
+        split: Split,
     ) -> Result<(), EmuError> {
         s.check().map_err(EmuError)?;
-        // SAFETY: as above.
+        let (chunk, nsplit) = if split.chunk > 0 && split.n > 1 {
+            (split.chunk as i32, split.n as i32)
+        } else {
+            (0, 1)
+        };
+        // SAFETY: as above; the partials buffer is the caller's, of the planned size.
         unsafe {
             super::thaw_emu_attention(
                 n as u32,
@@ -373,9 +379,17 @@ impl DeviceOps for Emu {
                 1.0 / (s.head_dim as f32).sqrt(),
                 out as *mut u8,
                 out_kind.code(),
+                chunk,
+                nsplit,
+                split.partials as *mut f32,
             )
         };
         Ok(())
+    }
+    /// Splits of 16 positions or more, to 16 blocks: the tiny models' short contexts are
+    /// split, so the model tests run the merge.
+    fn attention_split_target(&self) -> (usize, usize) {
+        (16, 16)
     }
     fn attention_prefill(
         &self,

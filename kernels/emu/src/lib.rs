@@ -121,6 +121,9 @@ extern "C" {
         scale: f32,
         out: *mut u8,
         out_kind: i32,
+        chunk: i32,
+        nsplit: i32,
+        part: *mut f32,
     );
     fn thaw_emu_attention_prefill(
         tiles: u32,
@@ -325,7 +328,8 @@ pub fn argmax_rows(x: &[f32], n: usize, ids: &mut [u32], block: u32) {
     }
 }
 
-/// Causal paged attention for rows at `pos`, each reading its table at `table_off` in `tables`.
+/// Causal paged attention for rows at `pos`, each reading its table at `table_off` in `tables`;
+/// with `chunk` > 0, in splits of `chunk` positions merged by `attention_merge`.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     q: &[f32],
@@ -339,10 +343,17 @@ pub fn attention(
     h: Heads,
     out: &mut [u8],
     out_kind: Kind,
+    chunk: usize,
 ) {
     let rows = pos.len();
     let kvd = h.n_kv * h.head_dim;
     assert_eq!(table_off.len(), rows);
+    // Flash-decoding with `chunk` > 0: as many splits as the longest row needs.
+    let nsplit = match chunk {
+        0 => 1,
+        c => pos.iter().map(|&p| p as usize / c + 1).max().unwrap_or(1),
+    };
+    let mut part = vec![0f32; rows * h.n_heads * nsplit * (h.head_dim + 2)];
     assert_eq!(q.len(), rows * h.n_heads * h.head_dim);
     assert_eq!(out.len(), q.len() * out_kind.bytes());
     let blocks = kc.len() / kind.bytes() / p.block_stride;
@@ -374,6 +385,9 @@ pub fn attention(
             1.0 / (h.head_dim as f32).sqrt(),
             out.as_mut_ptr(),
             out_kind as i32,
+            chunk as i32,
+            nsplit as i32,
+            part.as_mut_ptr(),
         )
     }
 }

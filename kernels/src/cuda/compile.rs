@@ -26,6 +26,7 @@ pub const KERNELS: &[&str] = &[
     "silu_mul",
     "rope_store",
     "attention",
+    "attention_merge",
     "attention_prefill",
     "argmax_rows",
     "gemv",

@@ -18,7 +18,7 @@ use cudarc::driver::{
 };
 
 use super::{compile, CudaError, DeviceInfo};
-use crate::device::{AttnDims, DeviceBuf, DeviceOps, Elem, GemmCall, Paging, Tiles};
+use crate::device::{AttnDims, DeviceBuf, DeviceOps, Elem, GemmCall, Paging, Split, Tiles};
 
 fn drv(e: impl std::fmt::Display) -> CudaError {
     CudaError::Driver(e.to_string())
@@ -78,6 +78,7 @@ struct Kernels {
     silu_mul: CudaFunction,
     rope_store: CudaFunction,
     attention: CudaFunction,
+    attention_merge: CudaFunction,
     attention_prefill: CudaFunction,
     argmax_rows: CudaFunction,
     gemv: CudaFunction,
@@ -158,6 +159,7 @@ impl Gpu {
             silu_mul: f("silu_mul")?,
             rope_store: f("rope_store")?,
             attention: f("attention")?,
+            attention_merge: f("attention_merge")?,
             attention_prefill: f("attention_prefill")?,
             argmax_rows: f("argmax_rows")?,
             gemv: f("gemv")?,
@@ -470,8 +472,14 @@ impl DeviceOps for Gpu {
         shape: AttnDims,
         out: u64,
         out_kind: Elem,
+        split: Split,
     ) -> Result<(), CudaError> {
         let a = AttnArgs::new(kv_kind, paging, shape, out_kind)?;
+        let (chunk, nsplit) = if split.chunk > 0 && split.n > 1 {
+            (split.chunk as i32, split.n as i32)
+        } else {
+            (0, 1)
+        };
         let mut b = self.stream.launch_builder(&self.k.attention);
         b.arg(&q)
             .arg(&kc)
@@ -479,10 +487,40 @@ impl DeviceOps for Gpu {
             .arg(&a.kv_kind)
             .arg(&paging.rows);
         a.push(&mut b, &paging, &out);
+        b.arg(&chunk).arg(&nsplit).arg(&split.partials);
+        let mut cfg = a.grid(n, DEC_WARPS);
+        cfg.grid_dim.1 *= nsplit as u32;
         // SAFETY: every row's table covers its positions and every block id is inside the
-        // store (both checked on the host before the step).
-        unsafe { b.launch(a.grid(n, DEC_WARPS)) }.map_err(drv)?;
+        // store (both checked on the host before the step); with splits, the partials buffer
+        // holds n · heads · nsplit · (hd + 2) f32 and every row has at most nsplit of them
+        // (the caller's plan).
+        unsafe { b.launch(cfg) }.map_err(drv)?;
+        if chunk > 0 {
+            let mut m = self.stream.launch_builder(&self.k.attention_merge);
+            m.arg(&split.partials)
+                .arg(&paging.rows)
+                .arg(&paging.pos)
+                .arg(&chunk)
+                .arg(&nsplit)
+                .arg(&a.n_heads)
+                .arg(&a.head_dim)
+                .arg(&out)
+                .arg(&a.out_kind);
+            let cfg = LaunchConfig {
+                grid_dim: (n as u32, a.n_heads as u32, 1),
+                block_dim: (32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: as above; the splits of every row of more than one were written by
+            // the launch before it on this stream.
+            unsafe { m.launch(cfg) }.map_err(drv)?;
+        }
         Ok(())
+    }
+
+    /// Flash-decoding past 128 positions per split, to about four blocks per multiprocessor.
+    fn attention_split_target(&self) -> (usize, usize) {
+        (4 * self.info.sm_count, 128)
     }
 
     fn attention_prefill(

@@ -221,17 +221,34 @@ struct RowState {
 // per head; the warps' partial results are merged at the end.
 // Position p of the row's sequence sits at element
 // table[p / block_size] · block_stride + layer_off + (p % block_size) · kv_dim + kvh · hd.
+//
+// Flash-decoding (`chunk` > 0): a long context is too few blocks for the GPU (a decode row has
+// one per KV head), so grid.y is n_kv · nsplit and block (x, y) serves positions
+// [s·chunk, (s+1)·chunk) of its row, s = y / n_kv. A row whose positions fit one chunk is
+// finished here as without splits; otherwise each split writes its unnormalized state (max, sum,
+// weighted values) per head to `part` ([row x][head][split][hd + 2] f32) and `attention_merge`
+// combines them, exactly as the warps of one block are combined below.
 KERNEL void __launch_bounds__(DEC_WARPS * 32)
 attention(const float* q, const void* kc, const void* vc, int kv_kind, const u32* rows_map,
           const u32* pos_of_row, const u32* table_off, const u32* tables, int block_size,
           i64 block_stride, i64 layer_off, int n_heads, int n_kv, int hd, float scale, void* out,
-          int out_kind) {
-    int r = rows_map ? (int)rows_map[blockIdx.x] : (int)blockIdx.x, kvh = blockIdx.y;
+          int out_kind, int chunk, int nsplit, float* part) {
+    int r = rows_map ? (int)rows_map[blockIdx.x] : (int)blockIdx.x;
+    int kvh = blockIdx.y % n_kv, split = blockIdx.y / n_kv;
     int group = n_heads / n_kv, kv_dim = n_kv * hd;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int per = (hd + 31) / 32;
     u32 pos = pos_of_row[r];
     const u32* table = tables + table_off[r];
+    // This block's positions [lo, hi]; a split past the row's end has nothing to do.
+    u32 lo = 0, hi = pos;
+    int parts = 1;
+    if (chunk > 0) {
+        lo = (u32)split * (u32)chunk;
+        if (lo > pos) return;
+        hi = lo + (u32)chunk - 1 < pos ? lo + (u32)chunk - 1 : pos;
+        parts = (int)(pos / (u32)chunk) + 1;
+    }
 
     RowState st;
     st.init(q, (i64)r * n_heads + kvh * group, group, hd, lane);
@@ -239,12 +256,12 @@ attention(const float* q, const void* kc, const void* vc, int kv_kind, const u32
     // position is a dependent pair of loads (block table, then keys and values), and one at a
     // time a warp waited out that latency per position (24 µs per layer on an H200 at ~100
     // positions). Positions are still folded in the same order.
-    for (u32 p0 = warp; p0 <= pos; p0 += DEC_WARPS * DEC_UNROLL) {
+    for (u32 p0 = lo + warp; p0 <= hi; p0 += DEC_WARPS * DEC_UNROLL) {
         float kk[DEC_UNROLL][ATT_MAX_PER_LANE], vv[DEC_UNROLL][ATT_MAX_PER_LANE];
 #pragma unroll
         for (int u = 0; u < DEC_UNROLL; u++) {
             u32 p = p0 + u * DEC_WARPS;
-            bool in = p <= pos;
+            bool in = p <= hi;
             i64 base = in ? (i64)table[p / block_size] * block_stride + layer_off +
                                 (i64)(p % block_size) * kv_dim + (i64)kvh * hd
                           : 0;
@@ -258,7 +275,7 @@ attention(const float* q, const void* kc, const void* vc, int kv_kind, const u32
         }
 #pragma unroll
         for (int u = 0; u < DEC_UNROLL; u++)
-            if (p0 + u * DEC_WARPS <= pos) st.add(kk[u], vv[u], group, scale);
+            if (p0 + u * DEC_WARPS <= hi) st.add(kk[u], vv[u], group, scale);
     }
     // Merge the warps: each publishes (m, l, acc) per head; warp 0 combines them.
     __shared__ float sm[DEC_WARPS][ATT_MAX_GROUP], sl[DEC_WARPS][ATT_MAX_GROUP];
@@ -288,6 +305,20 @@ attention(const float* q, const void* kc, const void* vc, int kv_kind, const u32
 #pragma unroll
             for (int j = 0; j < ATT_MAX_PER_LANE; j++) o[j] += sacc[w][g][lane + 32 * j] * f;
         }
+        if (parts > 1) {
+            float* dst = part + (((i64)blockIdx.x * n_heads + kvh * group + g) * nsplit + split) *
+                                    (hd + 2);
+            if (lane == 0) {
+                dst[0] = mx;
+                dst[1] = total;
+            }
+#pragma unroll
+            for (int j = 0; j < ATT_MAX_PER_LANE; j++) {
+                int d = lane + 32 * j;
+                if (j < per && d < hd) dst[2 + d] = o[j];
+            }
+            continue;
+        }
         float inv = 1.0f / total;
 #pragma unroll
         for (int j = 0; j < ATT_MAX_PER_LANE; j++) {
@@ -295,6 +326,38 @@ attention(const float* q, const void* kc, const void* vc, int kv_kind, const u32
             if (j < per && d < hd)
                 store_elem(out, ((i64)r * n_heads + kvh * group + g) * hd + d, o[j] * inv, out_kind);
         }
+    }
+}
+
+// Combines the splits of `attention` with `chunk` > 0 for rows of more than one split. Grid:
+// (rows, query heads); one warp, lanes over the head dimension.
+KERNEL void attention_merge(const float* part, const u32* rows_map, const u32* pos_of_row,
+                            int chunk, int nsplit, int n_heads, int hd, void* out, int out_kind) {
+    int r = rows_map ? (int)rows_map[blockIdx.x] : (int)blockIdx.x, head = blockIdx.y;
+    int lane = threadIdx.x & 31, per = (hd + 31) / 32;
+    int parts = (int)(pos_of_row[r] / (u32)chunk) + 1;
+    if (parts == 1) return;  // finished by `attention`
+    const float* src = part + ((i64)blockIdx.x * n_heads + head) * nsplit * (hd + 2);
+    float mx = NEG_INF;
+    for (int s = 0; s < parts; s++) mx = fmaxf(mx, src[s * (hd + 2)]);
+    float total = 0.0f;
+    float o[ATT_MAX_PER_LANE] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int s = 0; s < parts; s++) {
+        const float* ps = src + s * (hd + 2);
+        float f = expf(ps[0] - mx);
+        total += ps[1] * f;
+#pragma unroll
+        for (int j = 0; j < ATT_MAX_PER_LANE; j++) {
+            int d = lane + 32 * j;
+            if (j < per && d < hd) o[j] += ps[2 + d] * f;
+        }
+    }
+    float inv = 1.0f / total;
+#pragma unroll
+    for (int j = 0; j < ATT_MAX_PER_LANE; j++) {
+        int d = lane + 32 * j;
+        if (j < per && d < hd)
+            store_elem(out, ((i64)r * n_heads + head) * hd + d, o[j] * inv, out_kind);
     }
 }
 

@@ -41,6 +41,8 @@ pub struct DeviceInfo {
     pub name: String,
     pub compute_capability: (i32, i32),
     pub total_mem: usize,
+    /// Streaming multiprocessors (how many blocks the GPU runs at once, to a factor).
+    pub sm_count: usize,
 }
 
 /// Whether the CUDA driver library can be loaded on this machine.
@@ -80,6 +82,12 @@ pub fn open(ordinal: usize) -> Result<(Arc<CudaContext>, DeviceInfo), CudaError>
         total_mem: ctx
             .total_mem()
             .map_err(|e| CudaError::Driver(e.to_string()))?,
+        sm_count: ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(|e| CudaError::Driver(e.to_string()))?
+            .max(1) as usize,
     };
     Ok((ctx, info))
 }

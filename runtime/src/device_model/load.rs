@@ -214,6 +214,7 @@ impl<D: DeviceOps> DeviceLlama<D> {
                     .unwrap_or(DEFAULT_GEMV_ROWS),
             ),
             fused_norm: AtomicBool::new(true),
+            split_attention: AtomicBool::new(true),
         })
     }
 }

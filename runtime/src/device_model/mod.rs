@@ -29,7 +29,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use thaw_kernels::device::{
-    AttnDims, DeviceBuf, DeviceOps, Elem, GemvIn, GemvNorm, GemvOut, Paging, Tiles,
+    AttnDims, DeviceBuf, DeviceOps, Elem, GemvIn, GemvNorm, GemvOut, Paging, Split, Tiles,
 };
 use thaw_loader::{Dtype, LoadStats};
 
@@ -109,6 +109,8 @@ struct Scratch<B> {
     hid: B,
     logits: B,
     ids: B,
+    /// Flash-decoding's partial results (sized for the device's split target).
+    partials: B,
 }
 
 /// How a device model came up: the device-specific cold-start phases, in seconds.
@@ -148,6 +150,8 @@ pub struct DeviceLlama<D: DeviceOps> {
     /// Decode products by the matrix-vector kernel take their RMSNorm folded in (default; off
     /// only for A/B measurements).
     fused_norm: AtomicBool,
+    /// Flash-decoding for long rows (default; off only for A/B measurements).
+    split_attention: AtomicBool,
 }
 
 /// The model on a CUDA GPU.
@@ -173,6 +177,16 @@ impl<D: DeviceOps> DeviceLlama<D> {
     /// Products of at most `rows` rows use the matrix-vector kernel (0: cuBLAS for all).
     pub fn set_gemv_max_rows(&self, rows: usize) {
         self.gemv_max_rows.store(rows, Ordering::Relaxed);
+    }
+
+    /// Products of up to this many rows go to the matrix-vector kernel.
+    pub fn gemv_max_rows(&self) -> usize {
+        self.gemv_max_rows.load(Ordering::Relaxed)
+    }
+
+    /// Whether long rows' decode attention is split over blocks (flash-decoding).
+    pub fn set_split_attention(&self, on: bool) {
+        self.split_attention.store(on, Ordering::Relaxed);
     }
 
     /// Whether decode products by the matrix-vector kernel fold in their RMSNorm.
@@ -209,6 +223,35 @@ impl<D: DeviceOps> DeviceLlama<D> {
         }
     }
 
+    /// Partials for the most splits a step can plan: splits × rows ≤ target / KV heads.
+    fn partial_floats(&self) -> usize {
+        let (target, _) = self.dev.attention_split_target();
+        let d = self.dims();
+        Split::partial_floats(target / d.n_kv_heads.max(1), d.n_heads, 1, d.head_dim)
+    }
+
+    /// Flash-decoding for the per-row attention kernel over `rows` (row indices), positions
+    /// `pos`: splits where the rows are too few blocks for the device.
+    fn split(&self, rows: impl Iterator<Item = usize>, pos: &[u32], partials: u64) -> Split {
+        if !self.split_attention.load(Ordering::Relaxed) {
+            return Split::NONE;
+        }
+        let (target, min_chunk) = self.dev.attention_split_target();
+        let (mut n, mut max_pos) = (0, 0);
+        for r in rows {
+            n += 1;
+            max_pos = max_pos.max(pos[r] as usize);
+        }
+        match Split::plan(n, self.dims().n_kv_heads, max_pos, target, min_chunk) {
+            (0, _) => Split::NONE,
+            (chunk, splits) => Split {
+                chunk,
+                n: splits,
+                partials,
+            },
+        }
+    }
+
     fn scratch<'a>(
         &self,
         slot: &'a mut Option<Scratch<D::Buf>>,
@@ -241,6 +284,7 @@ impl<D: DeviceOps> DeviceLlama<D> {
                 hid: a(rows * ffn)?,
                 logits: a(picked * c.vocab_size)?,
                 ids: a(picked)?,
+                partials: a(self.partial_floats().max(1))?,
             });
         }
         Ok(slot.as_mut().expect("just made"))
@@ -326,6 +370,13 @@ impl<D: DeviceOps> DeviceLlama<D> {
             s.x.ptr(),
         )
         .map_err(e)?;
+        // The per-row attention kernel's rows (decodes, or every row), split where too few.
+        let split = if tiled {
+            let rows = plan.decode_rows.iter().map(|&r| r as usize);
+            self.split(rows, &plan.pos, s.partials.ptr())
+        } else {
+            self.split(0..n, &plan.pos, s.partials.ptr())
+        };
         for (li, l) in self.layers.iter().enumerate() {
             let qkv = [(&l.q, s.q.ptr()), (&l.k, s.k.ptr()), (&l.v, s.v.ptr())];
             prod(&qkv, s.x.ptr(), Some(l.attn_norm.ptr()), n, 0.0)?;
@@ -373,7 +424,7 @@ impl<D: DeviceOps> DeviceLlama<D> {
                         ..paging
                     };
                     let nd = plan.decode_rows.len();
-                    g.attention(q, kc, vc, kv.kind, p, nd, dims, att, act)
+                    g.attention(q, kc, vc, kv.kind, p, nd, dims, att, act, split)
                         .map_err(e)?;
                 }
                 let tiles = Tiles {
@@ -384,7 +435,7 @@ impl<D: DeviceOps> DeviceLlama<D> {
                 g.attention_prefill(q, kc, vc, kv.kind, tiles, paging, dims, att, act)
                     .map_err(e)?;
             } else {
-                g.attention(q, kc, vc, kv.kind, paging, n, dims, att, act)
+                g.attention(q, kc, vc, kv.kind, paging, n, dims, att, act, split)
                     .map_err(e)?;
             }
             prod(&[(&l.o, s.x.ptr())], s.att.ptr(), None, n, 1.0)?;
