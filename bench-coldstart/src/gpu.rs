@@ -331,13 +331,16 @@ fn big_model(dir: &PathBuf, a: &GpuArgs, h2d: f64, read_bw: f64) -> Result<Value
             .gemv_wide
             .store(mode == "gemv-wide", std::sync::atomic::Ordering::Relaxed);
         m.set_fused_norm(mode != "gemv-unfused");
+        let launches = m.gemv_launches();
         let r = decode_rate(&m, batch, a.steps, 32)?;
+        // Matrix-vector launches per step (0: every product went to cuBLAS).
+        let per_step = (m.gemv_launches() - launches) as f64 / (a.steps + 2) as f64;
         let roof = roof1 * batch as f64;
         println!(
-            "decode batch {batch:>2} ({mode}): {r:.1} tokens/s; roofline {roof:.1} ({:.0}%)",
+            "decode batch {batch:>2} ({mode}): {r:.1} tokens/s; roofline {roof:.1} ({:.0}%); {per_step:.0} gemv launches per step",
             100.0 * r / roof
         );
-        dec.push(json!({"batch": batch, "mode": mode, "tokens_per_s": r,
+        dec.push(json!({"batch": batch, "mode": mode, "tokens_per_s": r, "gemv_launches_per_step": per_step,
                         "roofline_tokens_per_s": roof, "fraction_of_roofline": r / roof}));
     }
     m.device()

@@ -112,9 +112,19 @@ fn device_model_matches_the_cpu_model_on_tiny_checkpoints() {
             dev.set_gemv_max_rows(gemv_rows);
             dev.set_fused_norm(fused);
             let what = format!("{dtype}, gemv rows {gemv_rows}, fused norm {fused}");
+            let launches = dev.gemv_launches();
             let (dp, db) = steps(&*dev).unwrap();
+            // The last step decodes 2 rows: its products take the matrix-vector kernel iff on.
+            let used = dev.gemv_launches() - launches;
+            assert_eq!(
+                used > 0,
+                gemv_rows > 0,
+                "{what}: {used} matrix-vector launches"
+            );
             let (ep, eb) = (rel_err(&dp, &cp, vocab), rel_err(&db, &cb, vocab));
-            eprintln!("{what}: prefill rel err {ep:.2e}, batched step {eb:.2e}");
+            eprintln!(
+                "{what}: prefill rel err {ep:.2e}, batched step {eb:.2e}, {used} gemv launches"
+            );
             assert!(
                 ep < limit && eb < limit,
                 "{what}: {ep:.2e} / {eb:.2e} over {limit:.0e}"

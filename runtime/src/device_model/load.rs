@@ -215,6 +215,7 @@ impl<D: DeviceOps> DeviceLlama<D> {
             ),
             fused_norm: AtomicBool::new(true),
             split_attention: AtomicBool::new(true),
+            gemv_launches: Default::default(),
         })
     }
 }

@@ -25,7 +25,7 @@
 
 mod load;
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use thaw_kernels::device::{
@@ -152,6 +152,8 @@ pub struct DeviceLlama<D: DeviceOps> {
     fused_norm: AtomicBool,
     /// Flash-decoding for long rows (default; off only for A/B measurements).
     split_attention: AtomicBool,
+    /// Matrix-vector kernel launches so far (A/B runs check which path the products took).
+    gemv_launches: AtomicU64,
 }
 
 /// The model on a CUDA GPU.
@@ -177,6 +179,11 @@ impl<D: DeviceOps> DeviceLlama<D> {
     /// Products of at most `rows` rows use the matrix-vector kernel (0: cuBLAS for all).
     pub fn set_gemv_max_rows(&self, rows: usize) {
         self.gemv_max_rows.store(rows, Ordering::Relaxed);
+    }
+
+    /// Matrix-vector kernel launches since the model was made.
+    pub fn gemv_launches(&self) -> u64 {
+        self.gemv_launches.load(Ordering::Relaxed)
     }
 
     /// Products of up to this many rows go to the matrix-vector kernel.
@@ -345,6 +352,7 @@ impl<D: DeviceOps> DeviceLlama<D> {
             if let Some(w) = norm {
                 let fused = input(x, Elem::F32, Some(GemvNorm { w, eps }));
                 if same && fuse_norm && fused.fits(w0.kind, &outs, gemv_rows) {
+                    self.gemv_launches.fetch_add(1, Ordering::Relaxed);
                     return g.gemv(w0.kind, &outs, &fused, beta).map_err(e);
                 }
                 g.rmsnorm(x, 0, w, rows, w0.cols, eps, s.xn.ptr(), act)
@@ -353,6 +361,7 @@ impl<D: DeviceOps> DeviceLlama<D> {
             }
             let plain = input(x, act, None);
             if same && plain.fits(w0.kind, &outs, gemv_rows) {
+                self.gemv_launches.fetch_add(1, Ordering::Relaxed);
                 return g.gemv(w0.kind, &outs, &plain, beta).map_err(e);
             }
             for &(w, y) in ws {
