@@ -300,13 +300,11 @@ fn big_model(dir: &PathBuf, a: &GpuArgs, h2d: f64, read_bw: f64) -> Result<Value
     let gemv_default = m.gemv_max_rows();
     let mut dec = vec![];
     // Decode A/B in one run: the matrix-vector kernels (rows ≤ GEMV_MAX_ROWS) vs cuBLAS alone.
-    // "gemv" streams the weights past L1, 4 outputs per block; "gemv-wide" 8 outputs per block
-    // (one row); "gemv-l1" lets the weights through L1; "gemv-unfused" runs the RMSNorms as
-    // kernels of their own instead of folding them into the products.
+    // "gemv": 4 outputs per block; "gemv-wide" 8 outputs per block (one row); "gemv-unfused"
+    // runs the RMSNorms as kernels of their own instead of folding them into the products.
     let modes = [
         (1usize, "gemv"),
         (1, "gemv-wide"),
-        (1, "gemv-l1"),
         (1, "gemv-unfused"),
         (1, "cuBLAS"),
         (2, "gemv"),
@@ -325,9 +323,6 @@ fn big_model(dir: &PathBuf, a: &GpuArgs, h2d: f64, read_bw: f64) -> Result<Value
             0
         });
         m.device()
-            .gemv_stream_weights
-            .store(mode != "gemv-l1", std::sync::atomic::Ordering::Relaxed);
-        m.device()
             .gemv_wide
             .store(mode == "gemv-wide", std::sync::atomic::Ordering::Relaxed);
         m.set_fused_norm(mode != "gemv-unfused");
@@ -343,9 +338,6 @@ fn big_model(dir: &PathBuf, a: &GpuArgs, h2d: f64, read_bw: f64) -> Result<Value
         dec.push(json!({"batch": batch, "mode": mode, "tokens_per_s": r, "gemv_launches_per_step": per_step,
                         "roofline_tokens_per_s": roof, "fraction_of_roofline": r / roof}));
     }
-    m.device()
-        .gemv_stream_weights
-        .store(true, std::sync::atomic::Ordering::Relaxed);
     m.device()
         .gemv_wide
         .store(false, std::sync::atomic::Ordering::Relaxed);

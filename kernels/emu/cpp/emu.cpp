@@ -103,18 +103,15 @@ void thaw_emu_argmax_rows(unsigned rows, unsigned block, const float* x, int n, 
 }
 void thaw_emu_gemv(int which, unsigned grid, unsigned block, const void* w0, const void* w1,
                    const void* w2, float* y0, float* y1, float* y2, int n0, int n1, int n2,
-                   int w_kind, const void* x, int x_kind, int rows, int K, const float* norm,
-                   float eps, float beta, int stream_w) {
+                   int w_kind, const void* x, int rows, int K, const float* norm, float eps,
+                   float beta) {
     launch(grid, 1, block, [=] {
         if (which == 1)
-            gemv1(w0, w1, w2, y0, y1, y2, n0, n1, n2, w_kind, x, x_kind, rows, K, norm, eps, beta,
-                  stream_w);
+            gemv1(w0, w1, w2, y0, y1, y2, n0, n1, n2, w_kind, x, rows, K, norm, eps, beta);
         else if (which == 2)
-            gemv1w(w0, w1, w2, y0, y1, y2, n0, n1, n2, w_kind, x, x_kind, rows, K, norm, eps,
-                   beta, stream_w);
+            gemv1w(w0, w1, w2, y0, y1, y2, n0, n1, n2, w_kind, x, rows, K, norm, eps, beta);
         else
-            gemv(w0, w1, w2, y0, y1, y2, n0, n1, n2, w_kind, x, x_kind, rows, K, norm, eps, beta,
-                 stream_w);
+            gemv(w0, w1, w2, y0, y1, y2, n0, n1, n2, w_kind, x, rows, K, norm, eps, beta);
     });
 }
 void thaw_emu_attention(unsigned rows, unsigned kv_heads, const float* q, const void* kc,

@@ -128,13 +128,11 @@ impl Emu {
                 c.out_dim as i32,
                 w_kind.code(),
                 x.x as *const u8,
-                x.kind.code(),
                 n as i32,
                 in_dim as i32,
                 x.norm.map_or(std::ptr::null(), |m| m.w as *const f32),
                 x.norm.map_or(0.0, |m| m.eps),
                 beta,
-                1,
             )
         };
         Ok(())

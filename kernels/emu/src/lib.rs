@@ -93,13 +93,11 @@ extern "C" {
         n2: i32,
         w_kind: i32,
         x: *const u8,
-        x_kind: i32,
         rows: i32,
         k: i32,
         norm: *const f32,
         eps: f32,
         beta: f32,
-        stream_w: i32,
     );
     fn thaw_emu_attention(
         rows: u32,

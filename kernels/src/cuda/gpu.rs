@@ -88,8 +88,6 @@ struct Kernels {
 }
 
 pub struct Gpu {
-    /// `gemv` streams its weights past L1 (default; off only for A/B measurements).
-    pub gemv_stream_weights: std::sync::atomic::AtomicBool,
     /// One-row `gemv` with 8 outputs per block (`gemv1w`) instead of 4 (`gemv1`).
     pub gemv_wide: std::sync::atomic::AtomicBool,
     pub ctx: Arc<CudaContext>,
@@ -178,7 +176,6 @@ impl Gpu {
         let blas = CudaBlas::new(stream.clone()).map_err(drv)?;
         let module_s = t.elapsed().as_secs_f64();
         Ok(Gpu {
-            gemv_stream_weights: std::sync::atomic::AtomicBool::new(true),
             gemv_wide: std::sync::atomic::AtomicBool::new(false),
             ctx,
             stream,
@@ -639,10 +636,9 @@ impl DeviceOps for Gpu {
             (w[i], y[i], dims[i]) = (o.w, o.y, o.out_dim as i32);
         }
         let blocks: usize = outs.iter().map(|o| o.out_dim.div_ceil(per_block)).sum();
-        let (kind, x_kind) = (w_kind.code(), x.kind.code());
+        let kind = w_kind.code();
         let (rows, inn) = (n as i32, x.in_dim as i32);
         let (norm, eps) = x.norm.map_or((0u64, 0f32), |m| (m.w, m.eps));
-        let stream = self.gemv_stream_weights.load(Relaxed) as i32;
         let mut b = self.stream.launch_builder(f);
         b.arg(&w[0])
             .arg(&w[1])
@@ -655,13 +651,11 @@ impl DeviceOps for Gpu {
             .arg(&dims[2])
             .arg(&kind)
             .arg(&x.x)
-            .arg(&x_kind)
             .arg(&rows)
             .arg(&inn)
             .arg(&norm)
             .arg(&eps)
-            .arg(&beta)
-            .arg(&stream);
+            .arg(&beta);
         let cfg = LaunchConfig {
             grid_dim: (blocks as u32, 1, 1),
             block_dim: (256, 1, 1),

@@ -60,13 +60,6 @@ __device__ __forceinline__ void store_elem(void* p, i64 i, float v, int kind) {
     else ((u16*)p)[i] = f32_to_f16(v);
 }
 
-// `v` rounded to kind `kind` and back (what storing it as that kind and loading it gives).
-__device__ __forceinline__ float round_to(float v, int kind) {
-    if (kind == 1) return bf16_to_f32(f32_to_bf16(v));
-    if (kind == 2) return f16_to_f32(f32_to_f16(v));
-    return v;
-}
-
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
@@ -228,11 +221,26 @@ struct RowState {
 // finished here as without splits; otherwise each split writes its unnormalized state (max, sum,
 // weighted values) per head to `part` ([row x][head][split][hd + 2] f32) and `attention_merge`
 // combines them, exactly as the warps of one block are combined below.
-KERNEL void __launch_bounds__(DEC_WARPS * 32)
-attention(const float* q, const void* kc, const void* vc, int kv_kind, const u32* rows_map,
-          const u32* pos_of_row, const u32* table_off, const u32* tables, int block_size,
-          i64 block_stride, i64 layer_off, int n_heads, int n_kv, int hd, float scale, void* out,
-          int out_kind, int chunk, int nsplit, float* part) {
+// The cache's kind is a template parameter (the entry point dispatches once): chosen per load at
+// run time it put every position's loads in branches of their own.
+struct DecShared {
+    float m[DEC_WARPS][ATT_MAX_GROUP], l[DEC_WARPS][ATT_MAX_GROUP];
+    float acc[DEC_WARPS][ATT_MAX_GROUP][ATT_MAX_PER_LANE * 32];
+};
+
+template <int KVK>
+__device__ __forceinline__ float load_kv(const void* p, i64 i) {
+    if (KVK == 0) return ((const float*)p)[i];
+    if (KVK == 1) return bf16_to_f32(((const u16*)p)[i]);
+    return f16_to_f32(((const u16*)p)[i]);
+}
+
+template <int KVK>
+__device__ __forceinline__ void attention_body(
+    const float* q, const void* kc, const void* vc, const u32* rows_map, const u32* pos_of_row,
+    const u32* table_off, const u32* tables, int block_size, i64 block_stride, i64 layer_off,
+    int n_heads, int n_kv, int hd, float scale, void* out, int out_kind, int chunk, int nsplit,
+    float* part, DecShared& sh) {
     int r = rows_map ? (int)rows_map[blockIdx.x] : (int)blockIdx.x;
     int kvh = blockIdx.y % n_kv, split = blockIdx.y / n_kv;
     int group = n_heads / n_kv, kv_dim = n_kv * hd;
@@ -258,19 +266,27 @@ attention(const float* q, const void* kc, const void* vc, int kv_kind, const u32
     // positions). Positions are still folded in the same order.
     for (u32 p0 = lo + warp; p0 <= hi; p0 += DEC_WARPS * DEC_UNROLL) {
         float kk[DEC_UNROLL][ATT_MAX_PER_LANE], vv[DEC_UNROLL][ATT_MAX_PER_LANE];
+        // The block-table entries first, all in flight together, then the keys and values
+        // they locate (one table read per position before its keys: a wait per position).
+        u32 blk[DEC_UNROLL];
+#pragma unroll
+        for (int u = 0; u < DEC_UNROLL; u++) {
+            u32 p = p0 + u * DEC_WARPS;
+            blk[u] = p <= hi ? table[p / block_size] : 0u;
+        }
 #pragma unroll
         for (int u = 0; u < DEC_UNROLL; u++) {
             u32 p = p0 + u * DEC_WARPS;
             bool in = p <= hi;
-            i64 base = in ? (i64)table[p / block_size] * block_stride + layer_off +
+            i64 base = in ? (i64)blk[u] * block_stride + layer_off +
                                 (i64)(p % block_size) * kv_dim + (i64)kvh * hd
                           : 0;
 #pragma unroll
             for (int j = 0; j < ATT_MAX_PER_LANE; j++) {
                 int d = lane + 32 * j;
                 bool ok = in && j < per && d < hd;
-                kk[u][j] = ok ? load_elem(kc, base + d, kv_kind) : 0.0f;
-                vv[u][j] = ok ? load_elem(vc, base + d, kv_kind) : 0.0f;
+                kk[u][j] = ok ? load_kv<KVK>(kc, base + d) : 0.0f;
+                vv[u][j] = ok ? load_kv<KVK>(vc, base + d) : 0.0f;
             }
         }
 #pragma unroll
@@ -278,8 +294,9 @@ attention(const float* q, const void* kc, const void* vc, int kv_kind, const u32
             if (p0 + u * DEC_WARPS <= hi) st.add(kk[u], vv[u], group, scale);
     }
     // Merge the warps: each publishes (m, l, acc) per head; warp 0 combines them.
-    __shared__ float sm[DEC_WARPS][ATT_MAX_GROUP], sl[DEC_WARPS][ATT_MAX_GROUP];
-    __shared__ float sacc[DEC_WARPS][ATT_MAX_GROUP][ATT_MAX_PER_LANE * 32];
+    float (*sm)[ATT_MAX_GROUP] = sh.m;
+    float (*sl)[ATT_MAX_GROUP] = sh.l;
+    float (*sacc)[ATT_MAX_GROUP][ATT_MAX_PER_LANE * 32] = sh.acc;
 #pragma unroll
     for (int g = 0; g < ATT_MAX_GROUP; g++) {
         if (g < group) {
@@ -327,6 +344,22 @@ attention(const float* q, const void* kc, const void* vc, int kv_kind, const u32
                 store_elem(out, ((i64)r * n_heads + kvh * group + g) * hd + d, o[j] * inv, out_kind);
         }
     }
+}
+
+KERNEL void __launch_bounds__(DEC_WARPS * 32)
+attention(const float* q, const void* kc, const void* vc, int kv_kind, const u32* rows_map,
+          const u32* pos_of_row, const u32* table_off, const u32* tables, int block_size,
+          i64 block_stride, i64 layer_off, int n_heads, int n_kv, int hd, float scale, void* out,
+          int out_kind, int chunk, int nsplit, float* part) {
+    __shared__ DecShared sh;
+#define ATT_BODY(K)                                                                             \
+    attention_body<K>(q, kc, vc, rows_map, pos_of_row, table_off, tables, block_size,           \
+                      block_stride, layer_off, n_heads, n_kv, hd, scale, out, out_kind, chunk,  \
+                      nsplit, part, sh)
+    if (kv_kind == 1) ATT_BODY(1);
+    else if (kv_kind == 2) ATT_BODY(2);
+    else ATT_BODY(0);
+#undef ATT_BODY
 }
 
 // Combines the splits of `attention` with `chunk` > 0 for rows of more than one split. Grid:
@@ -466,50 +499,60 @@ KERNEL void argmax_rows(const float* x, int n, u32* ids) {
     if (t == 0) ids[blockIdx.x] = si[0] == 0x7fffffff ? 0u : (u32)si[0];
 }
 
-// 8 bytes at `p`; with `stream`, kept out of L1 (`L1::no_allocate`): weights no other warp
-// reads, so the activations every warp re-reads stay there.
-__device__ __forceinline__ uint2 load8(const void* p, int stream) {
+// 8 bytes at `p`; with STREAM, kept out of L1 (`L1::no_allocate`): weights no other thread
+// reads, so the activations every block re-reads stay there.
+template <bool STREAM>
+__device__ __forceinline__ uint2 load8(const void* p) {
 #ifndef THAW_CUDA_EMU
-    if (stream) {
+    if (STREAM) {
         uint2 v;
         asm("ld.global.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
         return v;
     }
-#else
-    (void)stream;  // the emulator has no L1 to bypass
 #endif
     return *(const uint2*)p;
 }
 
-// Four consecutive elements of kind `kind` from element `i` (8-byte aligned for 16-bit kinds,
-// two 8-byte loads for f32) as f32, streamed past L1 with `stream` (see load8).
-__device__ __forceinline__ void load4(const void* p, i64 i, int kind, int stream, float* out) {
-    if (kind == 0) {
-        uint2 a = load8((const float*)p + i, stream), b = load8((const float*)p + i + 2, stream);
+// Four consecutive elements of kind KIND from element `i` (8-byte aligned for 16-bit kinds, two
+// 8-byte loads for f32) as f32.
+template <int KIND, bool STREAM>
+__device__ __forceinline__ void load4(const void* p, i64 i, float* out) {
+    if (KIND == 0) {
+        uint2 a = load8<STREAM>((const float*)p + i), b = load8<STREAM>((const float*)p + i + 2);
         out[0] = __uint_as_float(a.x); out[1] = __uint_as_float(a.y);
         out[2] = __uint_as_float(b.x); out[3] = __uint_as_float(b.y);
         return;
     }
-    uint2 v = load8((const u16*)p + i, stream);
+    uint2 v = load8<STREAM>((const u16*)p + i);
     u16 h[4] = {(u16)(v.x & 0xffffu), (u16)(v.x >> 16), (u16)(v.y & 0xffffu), (u16)(v.y >> 16)};
     #pragma unroll
-    for (int j = 0; j < 4; j++) out[j] = kind == 1 ? bf16_to_f32(h[j]) : f16_to_f32(h[j]);
+    for (int j = 0; j < 4; j++) out[j] = KIND == 1 ? bf16_to_f32(h[j]) : f16_to_f32(h[j]);
+}
+
+// `v` rounded to kind KIND and back (what storing it as that kind and loading it gives).
+template <int KIND>
+__device__ __forceinline__ float round_to(float v) {
+    if (KIND == 1) return bf16_to_f32(f32_to_bf16(v));
+    if (KIND == 2) return f16_to_f32(f32_to_f16(v));
+    return v;
 }
 
 // Matrix-vector products for decode: `y[r, n] = Σ_k W[n, k]·x[r, k] + beta·y[r, n]` for
-// r < rows ≤ GEMV_MAX_ROWS, W `[N, K]` row-major, x in `x_kind`, y f32, f32 accumulation — for
-// up to three matrices that share x and K in one launch (q, k, v; gate, up), so the small ones
-// (k, v: 8 MB on an 8B model) do not each pay a launch and a half-empty grid.
+// r < rows ≤ GEMV_MAX_ROWS, W `[N, K]` row-major of kind `w_kind`, x in W's kind, y f32, f32
+// accumulation — for up to three matrices that share x and K in one launch (q, k, v; gate, up),
+// so the small ones (k, v: 8 MB on an 8B model) do not each pay a launch and a half-empty grid.
 //
 // A decode step reads every weight once; a GEMM library tiles a one-row product over too few
 // blocks to keep HBM busy. Here a block owns OUTS consecutive outputs of one matrix and splits
-// K over all its threads: each thread reads 4 elements of each of the OUTS rows per step (OUTS
-// independent 8-byte loads in flight before the first multiply; a warp's loads of one row are
-// 256 contiguous bytes), multiplies them by the same 4 elements of x (read once per block, not
-// once per output), and the block reduces its partial sums through shared memory. Weights are
-// read once by one thread, so with `stream_w` they bypass L1 (x stays there). K a multiple of
-// 4, W and x 8-byte aligned (the caller checks). Blocks beyond the grid are strided (the
-// emulator runs a small grid; a GPU launch has a block per OUTS outputs).
+// K over all its threads: each thread reads 4 elements of each of the OUTS rows per step (a
+// warp's loads of one row are 256 contiguous bytes; weights bypass L1, read once by one
+// thread), multiplies them by the same 4 elements of x (read once per block, not once per
+// output), and the block reduces its partial sums through shared memory. Kinds are template
+// parameters (the entry points dispatch once), so the loads of two steps — 2·OUTS weight loads
+// and the x loads — are all in flight before the first multiply (checked in the SASS): a kind
+// chosen per load at run time put each load in a branch of its own. K a multiple of 4, W and x 8-byte aligned (the
+// caller checks). Blocks beyond the grid are strided (the emulator runs a small grid; a GPU
+// launch has a block per OUTS outputs).
 //
 // With `norm` (f32 weights, K of them), x is the f32 residual and the product is of its RMSNorm,
 // as the `rmsnorm` kernel would have stored it: each block first sums x² over the row (x is
@@ -518,21 +561,29 @@ __device__ __forceinline__ void load4(const void* p, i64 i, int kind, int stream
 // the product, without a kernel of their own or a round trip through memory.
 #define GEMV_MAX_ROWS 8
 #define GEMV_MAX_WARPS 8
+#define GEMV_STEPS 2  // 4-element steps per thread per pass
 
-template <int ROWS, int OUTS>
-__device__ __forceinline__ void gemv_body(const void* const* ws, float* const* ys, const int* ns,
-                                          int w_kind, const void* x, int x_kind, int rows, int K,
-                                          const float* norm, float eps, float beta, int stream_w,
-                                          float (*red)[OUTS * ROWS + ROWS]) {
+#define GEMV_ARGS                                                                               \
+    const void *w0, const void *w1, const void *w2, float *y0, float *y1, float *y2, int n0,     \
+        int n1, int n2, int w_kind, const void *x, int rows, int K, const float *norm,           \
+        float eps, float beta
+
+// (The three matrices are picked by selects, not an array indexed at run time: that would put
+// the array in local memory.)
+template <int ROWS, int OUTS, int WK, bool NORM>
+__device__ __forceinline__ void gemv_body(GEMV_ARGS, float (*red)[OUTS * ROWS + ROWS]) {
+    constexpr int XK = NORM ? 0 : WK;  // x's kind: the f32 residual under a norm
+    (void)w_kind;                      // = WK (the entry point dispatched on it)
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5, nwarps = blockDim.x >> 5;
     const int groups = K >> 2;
-    const int b0 = (ns[0] + OUTS - 1) / OUTS, b1 = (ns[1] + OUTS - 1) / OUTS;
-    const int total = b0 + b1 + (ns[2] + OUTS - 1) / OUTS;
+    const int b0 = (n0 + OUTS - 1) / OUTS, b1 = (n1 + OUTS - 1) / OUTS;
+    const int total = b0 + b1 + (n2 + OUTS - 1) / OUTS;
     for (int b = blockIdx.x; b < total; b += gridDim.x) {
         const int m = b < b0 ? 0 : b < b0 + b1 ? 1 : 2;
         const int o0 = (b - (m == 0 ? 0 : m == 1 ? b0 : b0 + b1)) * OUTS;
-        const int N = ns[m], outs = N - o0 < OUTS ? N - o0 : OUTS;
-        const void* w = ws[m];
+        const int N = m == 0 ? n0 : m == 1 ? n1 : n2;
+        const int outs = N - o0 < OUTS ? N - o0 : OUTS;
+        const void* w = m == 0 ? w0 : m == 1 ? w1 : w2;
         float acc[OUTS][ROWS], scale[ROWS];
         #pragma unroll
         for (int r = 0; r < ROWS; r++) {
@@ -540,7 +591,7 @@ __device__ __forceinline__ void gemv_body(const void* const* ws, float* const* y
             #pragma unroll
             for (int o = 0; o < OUTS; o++) acc[o][r] = 0.0f;
         }
-        if (norm) {
+        if (NORM) {
             float ss[ROWS];
             #pragma unroll
             for (int r = 0; r < ROWS; r++) ss[r] = 0.0f;
@@ -549,7 +600,7 @@ __device__ __forceinline__ void gemv_body(const void* const* ws, float* const* y
                 for (int r = 0; r < ROWS; r++) {
                     if (r >= rows) break;
                     float xv[4];
-                    load4(x, (i64)r * K + 4 * (i64)g, 0, 0, xv);
+                    load4<0, false>(x, (i64)r * K + 4 * (i64)g, xv);
                     ss[r] += xv[0] * xv[0] + xv[1] * xv[1] + xv[2] * xv[2] + xv[3] * xv[3];
                 }
             }
@@ -568,28 +619,50 @@ __device__ __forceinline__ void gemv_body(const void* const* ws, float* const* y
                 scale[r] = 1.0f / sqrtf(sq / (float)K + eps);
             }
         }
-        for (int g = t; g < groups; g += blockDim.x) {
-            float wv[OUTS][4], nv[4];
+        // GEMV_STEPS steps per pass, their loads unconditional (a step past the row re-reads
+        // the pass's first and is not added): all 2·OUTS weight loads and the x loads issue
+        // before the first multiply waits. (A loop unrolled by the compiler keeps its bounds
+        // check between steps, and the second step's loads behind the first's multiplies.)
+        for (int g0 = t; g0 < groups; g0 += GEMV_STEPS * blockDim.x) {
+            int gs[GEMV_STEPS];
+            bool ok[GEMV_STEPS];
             #pragma unroll
-            for (int o = 0; o < OUTS; o++) {
-                // A last block's missing rows read row o0 again (in bounds) and are not stored.
-                const int row = o0 + (o < outs ? o : 0);
-                load4(w, (i64)row * K + 4 * (i64)g, w_kind, stream_w, wv[o]);
+            for (int u = 0; u < GEMV_STEPS; u++) {
+                const int g = g0 + u * blockDim.x;
+                ok[u] = g < groups;
+                gs[u] = ok[u] ? g : g0;
             }
-            if (norm) load4(norm, 4 * (i64)g, 0, 0, nv);
+            float wv[GEMV_STEPS][OUTS][4], nv[GEMV_STEPS][4];
+            #pragma unroll
+            for (int u = 0; u < GEMV_STEPS; u++) {
+                #pragma unroll
+                for (int o = 0; o < OUTS; o++) {
+                    // A last block's missing rows read row o0 again (in bounds), not stored.
+                    const int row = o0 + (o < outs ? o : 0);
+                    load4<WK, true>(w, (i64)row * K + 4 * (i64)gs[u], wv[u][o]);
+                }
+                if (NORM) load4<0, false>(norm, 4 * (i64)gs[u], nv[u]);
+            }
             #pragma unroll
             for (int r = 0; r < ROWS; r++) {
                 if (r >= rows) break;
-                float xv[4];
-                load4(x, (i64)r * K + 4 * (i64)g, x_kind, 0, xv);
-                if (norm) {
-                    #pragma unroll
-                    for (int i = 0; i < 4; i++) xv[i] = round_to(xv[i] * scale[r] * nv[i], w_kind);
-                }
+                float xv[GEMV_STEPS][4];
                 #pragma unroll
-                for (int o = 0; o < OUTS; o++)
-                    acc[o][r] += wv[o][0] * xv[0] + wv[o][1] * xv[1] + wv[o][2] * xv[2] +
-                                 wv[o][3] * xv[3];
+                for (int u = 0; u < GEMV_STEPS; u++)
+                    load4<XK, false>(x, (i64)r * K + 4 * (i64)gs[u], xv[u]);
+                #pragma unroll
+                for (int u = 0; u < GEMV_STEPS; u++) {
+                    if (!ok[u]) continue;
+                    if (NORM) {
+                        #pragma unroll
+                        for (int i = 0; i < 4; i++)
+                            xv[u][i] = round_to<WK>(xv[u][i] * scale[r] * nv[u][i]);
+                    }
+                    #pragma unroll
+                    for (int o = 0; o < OUTS; o++)
+                        acc[o][r] += wv[u][o][0] * xv[u][0] + wv[u][o][1] * xv[u][1] +
+                                     wv[u][o][2] * xv[u][2] + wv[u][o][3] * xv[u][3];
+                }
             }
         }
         #pragma unroll
@@ -607,30 +680,34 @@ __device__ __forceinline__ void gemv_body(const void* const* ws, float* const* y
             float v = 0.0f;
             for (int k = 0; k < nwarps; k++) v += red[k][o * ROWS + r];
             const i64 i = (i64)r * N + o0 + o;
-            float* y = ys[m];
+            float* y = m == 0 ? y0 : m == 1 ? y1 : y2;
             y[i] = beta == 0.0f ? v : v + beta * y[i];
         }
         __syncthreads();  // `red` is reused by the next block's outputs
     }
 }
 
-#define GEMV_ARGS                                                                               \
-    const void *w0, const void *w1, const void *w2, float *y0, float *y1, float *y2, int n0,     \
-        int n1, int n2, int w_kind, const void *x, int x_kind, int rows, int K,                  \
-        const float *norm, float eps, float beta, int stream_w
+#define GEMV_BODY(ROWS, OUTS, WK, NORM)                                                         \
+    gemv_body<ROWS, OUTS, WK, NORM>(w0, w1, w2, y0, y1, y2, n0, n1, n2, w_kind, x, rows, K,      \
+                                    norm, eps, beta, red)
 #define GEMV_CALL(ROWS, OUTS)                                                                   \
-    const void* ws[3] = {w0, w1, w2};                                                            \
-    float* ys[3] = {y0, y1, y2};                                                                 \
-    const int ns[3] = {n0, n1, n2};                                                              \
     __shared__ float red[GEMV_MAX_WARPS][(OUTS) * (ROWS) + (ROWS)];                              \
-    gemv_body<ROWS, OUTS>(ws, ys, ns, w_kind, x, x_kind, rows, K, norm, eps, beta, stream_w, red)
+    if (norm) {                                                                                  \
+        if (w_kind == 1) GEMV_BODY(ROWS, OUTS, 1, true);                                         \
+        else if (w_kind == 2) GEMV_BODY(ROWS, OUTS, 2, true);                                    \
+        else GEMV_BODY(ROWS, OUTS, 0, true);                                                     \
+    } else {                                                                                     \
+        if (w_kind == 1) GEMV_BODY(ROWS, OUTS, 1, false);                                        \
+        else if (w_kind == 2) GEMV_BODY(ROWS, OUTS, 2, false);                                   \
+        else GEMV_BODY(ROWS, OUTS, 0, false);                                                    \
+    }
 
 // Batch rows 2..=8 (registers for 8 rows), one row (the decode that matters: fewer registers,
 // more blocks resident), one row with 8 outputs per block (twice the loads in flight per
 // thread; `Gpu::gemv_wide` picks between the two one-row forms).
-KERNEL void gemv(GEMV_ARGS) { GEMV_CALL(GEMV_MAX_ROWS, 4); }
-KERNEL void gemv1(GEMV_ARGS) { GEMV_CALL(1, 4); }
-KERNEL void gemv1w(GEMV_ARGS) { GEMV_CALL(1, 8); }
+KERNEL void gemv(GEMV_ARGS) { GEMV_CALL(GEMV_MAX_ROWS, 4) }
+KERNEL void gemv1(GEMV_ARGS) { GEMV_CALL(1, 4) }
+KERNEL void gemv1w(GEMV_ARGS) { GEMV_CALL(1, 8) }
 
 // Device-memory read bandwidth probe: sums `n` floats (each thread a strided slice), so the
 // roofline is measured on the device in the same run as the decode it bounds.
