@@ -13,9 +13,9 @@ use thaw_loader::{Checkpoint, Dtype, LoadStats, TensorEntry};
 #[cfg(feature = "cuda")]
 use super::ptx_cache_dir;
 
-/// Decode products through cuBLAS by default: on an H200 the matrix-vector kernel measured
-/// slower at every batch size (docs/PERFORMANCE.md), so it is opt-in (`THAW_CUDA_GEMV_ROWS`)
-/// until it beats cuBLAS.
+/// Decode products through cuBLAS by default: on an H200 the first matrix-vector kernel
+/// measured slower at every batch size, and its rewrite is not measured yet
+/// (docs/PERFORMANCE.md), so it is opt-in (`THAW_CUDA_GEMV_ROWS`) until it beats cuBLAS.
 const DEFAULT_GEMV_ROWS: usize = 0;
 use super::{dev_err, elem, DevLayer, DeviceLlama, DeviceLoadPhases, Mat};
 use crate::model::{inv_freq, Tensors};

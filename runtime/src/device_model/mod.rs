@@ -16,9 +16,13 @@
 //!   gate/up GEMMs, SiLU·mul, down GEMM accumulated into the residual) → final norm of the
 //!   picked rows → LM head (→ argmax on the device for all-greedy steps). One synchronization
 //!   per step: the download of the logits, or of one id per sequence.
-//! * **Decode products** can go to a matrix-vector kernel instead of cuBLAS (opt-in,
-//!   `THAW_CUDA_GEMV_ROWS`): on an H200 it was slower than cuBLAS at batch 1–8 (each warp
-//!   re-reads the activations; docs/PERFORMANCE.md), so cuBLAS stays the default until it wins.
+//! * **Decode products** can go to matrix-vector kernels instead of cuBLAS (opt-in,
+//!   `THAW_CUDA_GEMV_ROWS`): products sharing their input (q/k/v, gate/up) in one launch, the
+//!   RMSNorm before them folded in. The first such kernel lost to cuBLAS on an H200; this one
+//!   (rewritten, see kernels.cu) is not measured on a GPU yet, so cuBLAS stays the default until
+//!   a run shows it winning (docs/PERFORMANCE.md).
+//! * **Long rows' decode attention** is split over blocks (flash-decoding, [`Split`]) where one
+//!   block per row and KV head would leave the device mostly idle.
 //! * **Precision** follows the weights: bf16/f16 weights take bf16/f16 activations into cuBLAS
 //!   (f32 accumulation, tensor cores) and a bf16 KV cache, like the CPU's AVX512-BF16 path;
 //!   f32 weights stay f32 end to end (no TF32), for a tight comparison with the CPU.
