@@ -149,7 +149,7 @@ cp "$dist"/tokenizer/* "$work/$big/"
 lim 150 "$dist/bench-coldstart" coldstart --model "$work/$big" --runs 2 --cold --thaw-args="--device cuda" \
     --svg "$work/coldstart-big.svg" 2>&1 | tee "$out/coldstart-big.md" || status=1
 
-echo "== ncu: GPU time per kernel of one batch-1 decode step, matrix-vector kernel vs cuBLAS ($(( $(date +%s) - t0 )) s)"
+echo "== ncu: GPU time per kernel of one batch-1 decode step (matrix-vector kernel vs cuBLAS) and of a 512-token prefill ($(( $(date +%s) - t0 )) s)"
 ncu_bin=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1 || true)
 if [ -n "$ncu_bin" ]; then
     lim 150 "$ncu_bin" --clock-control none --metrics gpu__time_duration.sum --csv \

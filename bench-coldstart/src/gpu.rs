@@ -410,6 +410,24 @@ fn profile_decode(a: &GpuArgs) -> Result<()> {
         let r = decode_rate(&m, 1, a.steps, 32)?;
         println!("profile: decode batch 1 ({mode}): {r:.1} tokens/s");
     }
+    // Then one 512-token prefill (the last forward pass profiled).
+    let vocab = m.cfg.vocab_size;
+    let mut kv = m.new_kv(16, 32)?;
+    let table: Vec<u32> = (0..32).collect();
+    let p = prompt(vocab, 512, 9);
+    let t = Instant::now();
+    m.forward_batch(
+        &[SeqChunk {
+            tokens: &p,
+            start: 0,
+            table: &table,
+        }],
+        &mut kv,
+    )?;
+    println!(
+        "profile: prefill 512 tokens in {:.1} ms (under the profiler)",
+        t.elapsed().as_secs_f64() * 1e3
+    );
     Ok(())
 }
 
