@@ -127,6 +127,9 @@ pub fn copy_mapped<E: PinInPlace>(
             // The chunk's bytes (its last may end at the end of the file), and the whole pages
             // under them (the mapping runs to the end of the file's last page).
             let len = (c.len as usize).min(map.len().saturating_sub(start));
+            if len == 0 {
+                continue; // nothing of the file under this chunk (a zero-length pin is an error)
+            }
             let pin_len = len.div_ceil(PAGE) * PAGE;
             let step = (|| {
                 if let Some(h) = expected {
