@@ -200,6 +200,62 @@ struct RowState {
             m[g] = mn;
         }
     }
+
+    // Folds in the first `nu` of U positions at once (decode): the U·group scores' warp sums
+    // are interleaved — independent shuffles pipeline, where one position at a time waited out
+    // each reduction in turn — and each head's running max and sums are corrected once per U
+    // positions instead of once per position. Scores are the same as `add`'s; only the softmax
+    // update is grouped.
+    template <int U>
+    __device__ __forceinline__ void add_n(const float (*kk)[ATT_MAX_PER_LANE],
+                                          const float (*vv)[ATT_MAX_PER_LANE], int nu, int group,
+                                          float scale) {
+        float s[U][ATT_MAX_GROUP];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+#pragma unroll
+            for (int g = 0; g < ATT_MAX_GROUP; g++) {
+                s[u][g] = 0.0f;
+                if (g < group) {
+#pragma unroll
+                    for (int j = 0; j < ATT_MAX_PER_LANE; j++) s[u][g] += qv[g][j] * kk[u][j];
+                }
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+#pragma unroll
+                for (int g = 0; g < ATT_MAX_GROUP; g++)
+                    if (g < group) s[u][g] += __shfl_xor_sync(0xffffffffu, s[u][g], o);
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < ATT_MAX_GROUP; g++) {
+            if (g >= group) break;
+            float mn = m[g];
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                s[u][g] *= scale;
+                if (u < nu) mn = fmaxf(mn, s[u][g]);
+            }
+            float corr = expf(m[g] - mn);  // exp(-inf) = 0 on the first positions
+            l[g] *= corr;
+#pragma unroll
+            for (int j = 0; j < ATT_MAX_PER_LANE; j++) acc[g][j] *= corr;
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                if (u < nu) {
+                    float e = expf(s[u][g] - mn);
+                    l[g] += e;
+#pragma unroll
+                    for (int j = 0; j < ATT_MAX_PER_LANE; j++) acc[g][j] += e * vv[u][j];
+                }
+            }
+            m[g] = mn;
+        }
+    }
 };
 
 // Warps of the per-row (decode) attention kernel: a decode row is one block per KV head, so
@@ -289,9 +345,9 @@ __device__ __forceinline__ void attention_body(
                 vv[u][j] = ok ? load_kv<KVK>(vc, base + d) : 0.0f;
             }
         }
-#pragma unroll
-        for (int u = 0; u < DEC_UNROLL; u++)
-            if (p0 + u * DEC_WARPS <= hi) st.add(kk[u], vv[u], group, scale);
+        // The warp's valid positions of this pass are a prefix of its DEC_UNROLL.
+        int nu = (int)((hi - p0) / DEC_WARPS) + 1;
+        st.add_n<DEC_UNROLL>(kk, vv, nu < DEC_UNROLL ? nu : DEC_UNROLL, group, scale);
     }
     // Merge the warps: each publishes (m, l, acc) per head; warp 0 combines them.
     float (*sm)[ATT_MAX_GROUP] = sh.m;
