@@ -301,11 +301,13 @@ fn big_model(dir: &PathBuf, a: &GpuArgs, h2d: f64, read_bw: f64) -> Result<Value
     let mut dec = vec![];
     // Decode A/B in one run: the matrix-vector kernels (rows ≤ GEMV_MAX_ROWS) vs cuBLAS alone.
     // "gemv": 4 outputs per block; "gemv-wide" 8 outputs per block (one row); "gemv-unfused"
-    // runs the RMSNorms as kernels of their own instead of folding them into the products.
+    // runs the RMSNorms as kernels of their own instead of folding them into the products;
+    // "gemv-persistent" launches only the blocks the device holds at once.
     let modes = [
         (1usize, "gemv"),
         (1, "gemv-wide"),
         (1, "gemv-unfused"),
+        (1, "gemv-persistent"),
         (1, "cuBLAS"),
         (2, "gemv"),
         (2, "cuBLAS"),
@@ -326,6 +328,10 @@ fn big_model(dir: &PathBuf, a: &GpuArgs, h2d: f64, read_bw: f64) -> Result<Value
             .gemv_wide
             .store(mode == "gemv-wide", std::sync::atomic::Ordering::Relaxed);
         m.set_fused_norm(mode != "gemv-unfused");
+        m.device().gemv_persistent.store(
+            mode == "gemv-persistent",
+            std::sync::atomic::Ordering::Relaxed,
+        );
         let launches = m.gemv_launches();
         let r = decode_rate(&m, batch, a.steps, 32)?;
         // Matrix-vector launches per step (0: every product went to cuBLAS).
@@ -342,6 +348,9 @@ fn big_model(dir: &PathBuf, a: &GpuArgs, h2d: f64, read_bw: f64) -> Result<Value
         .gemv_wide
         .store(false, std::sync::atomic::Ordering::Relaxed);
     m.set_fused_norm(true);
+    m.device()
+        .gemv_persistent
+        .store(false, std::sync::atomic::Ordering::Relaxed);
     // Long contexts: decode attention split over blocks (flash-decoding) vs one block per row
     // and KV head, the products as by default.
     m.set_gemv_max_rows(gemv_default);

@@ -90,6 +90,11 @@ struct Kernels {
 pub struct Gpu {
     /// One-row `gemv` with 8 outputs per block (`gemv1w`) instead of 4 (`gemv1`).
     pub gemv_wide: std::sync::atomic::AtomicBool,
+    /// `gemv` launches only as many blocks as the device holds at once (each strides over
+    /// output groups, computing a folded norm once) instead of one block per group.
+    pub gemv_persistent: std::sync::atomic::AtomicBool,
+    /// Blocks of 256 threads of `gemv`, `gemv1`, `gemv1w` the device holds at once.
+    gemv_resident: [u32; 3],
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
     blas: CudaBlas,
@@ -174,9 +179,22 @@ impl Gpu {
             ));
         }
         let blas = CudaBlas::new(stream.clone()).map_err(drv)?;
+        let resident = |f: &CudaFunction| -> Result<u32, CudaError> {
+            let per_sm = f
+                .occupancy_max_active_blocks_per_multiprocessor(256, 0, None)
+                .map_err(drv)?;
+            Ok(per_sm.max(1) * info.sm_count as u32)
+        };
+        let gemv_resident = [
+            resident(&k.gemv)?,
+            resident(&k.gemv1)?,
+            resident(&k.gemv1w)?,
+        ];
         let module_s = t.elapsed().as_secs_f64();
         Ok(Gpu {
             gemv_wide: std::sync::atomic::AtomicBool::new(false),
+            gemv_persistent: std::sync::atomic::AtomicBool::new(false),
+            gemv_resident,
             ctx,
             stream,
             blas,
@@ -626,10 +644,10 @@ impl DeviceOps for Gpu {
         }
         let n = x.rows;
         let wide = n == 1 && self.gemv_wide.load(Relaxed);
-        let (f, per_block) = match (n, wide) {
-            (1, true) => (&self.k.gemv1w, 8),
-            (1, false) => (&self.k.gemv1, 4),
-            _ => (&self.k.gemv, 4),
+        let (f, per_block, resident) = match (n, wide) {
+            (1, true) => (&self.k.gemv1w, 8, self.gemv_resident[2]),
+            (1, false) => (&self.k.gemv1, 4, self.gemv_resident[1]),
+            _ => (&self.k.gemv, 4, self.gemv_resident[0]),
         };
         let (mut w, mut y, mut dims) = ([0u64; 3], [0u64; 3], [0i32; 3]);
         for (i, o) in outs.iter().enumerate() {
@@ -656,8 +674,12 @@ impl DeviceOps for Gpu {
             .arg(&norm)
             .arg(&eps)
             .arg(&beta);
+        let mut grid = blocks as u32;
+        if self.gemv_persistent.load(Relaxed) {
+            grid = grid.min(resident);
+        }
         let cfg = LaunchConfig {
-            grid_dim: (blocks as u32, 1, 1),
+            grid_dim: (grid, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };

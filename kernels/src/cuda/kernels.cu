@@ -607,8 +607,9 @@ __device__ __forceinline__ float round_to(float v) {
 // parameters (the entry points dispatch once), so the loads of two steps — 2·OUTS weight loads
 // and the x loads — are all in flight before the first multiply (checked in the SASS): a kind
 // chosen per load at run time put each load in a branch of its own. K a multiple of 4, W and x 8-byte aligned (the
-// caller checks). Blocks beyond the grid are strided (the emulator runs a small grid; a GPU
-// launch has a block per OUTS outputs).
+// caller checks). Output groups beyond the grid are strided over it: the emulator runs a small
+// grid, and a GPU launch has either a block per group or (`Gpu::gemv_persistent`) as many
+// blocks as fit on the device at once, each computing the norm's scale once for all its groups.
 //
 // With `norm` (f32 weights, K of them), x is the f32 residual and the product is of its RMSNorm,
 // as the `rmsnorm` kernel would have stored it: each block first sums x² over the row (x is
@@ -634,46 +635,49 @@ __device__ __forceinline__ void gemv_body(GEMV_ARGS, float (*red)[OUTS * ROWS + 
     const int groups = K >> 2;
     const int b0 = (n0 + OUTS - 1) / OUTS, b1 = (n1 + OUTS - 1) / OUTS;
     const int total = b0 + b1 + (n2 + OUTS - 1) / OUTS;
+    // The norm's scale per row, once per block (every output group of the block shares x).
+    float scale[ROWS];
+    #pragma unroll
+    for (int r = 0; r < ROWS; r++) scale[r] = 1.0f;
+    if (NORM) {
+        float ss[ROWS];
+        #pragma unroll
+        for (int r = 0; r < ROWS; r++) ss[r] = 0.0f;
+        for (int g = t; g < groups; g += blockDim.x) {
+            #pragma unroll
+            for (int r = 0; r < ROWS; r++) {
+                if (r >= rows) break;
+                float xv[4];
+                load4<0, false>(x, (i64)r * K + 4 * (i64)g, xv);
+                ss[r] += xv[0] * xv[0] + xv[1] * xv[1] + xv[2] * xv[2] + xv[3] * xv[3];
+            }
+        }
+        #pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+            if (r >= rows) break;
+            float v = warp_sum(ss[r]);
+            if (lane == 0) red[warp][OUTS * ROWS + r] = v;
+        }
+        __syncthreads();
+        #pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+            if (r >= rows) break;
+            float sq = 0.0f;
+            for (int k = 0; k < nwarps; k++) sq += red[k][OUTS * ROWS + r];
+            scale[r] = 1.0f / sqrtf(sq / (float)K + eps);
+        }
+    }
     for (int b = blockIdx.x; b < total; b += gridDim.x) {
         const int m = b < b0 ? 0 : b < b0 + b1 ? 1 : 2;
         const int o0 = (b - (m == 0 ? 0 : m == 1 ? b0 : b0 + b1)) * OUTS;
         const int N = m == 0 ? n0 : m == 1 ? n1 : n2;
         const int outs = N - o0 < OUTS ? N - o0 : OUTS;
         const void* w = m == 0 ? w0 : m == 1 ? w1 : w2;
-        float acc[OUTS][ROWS], scale[ROWS];
+        float acc[OUTS][ROWS];
         #pragma unroll
         for (int r = 0; r < ROWS; r++) {
-            scale[r] = 1.0f;
             #pragma unroll
             for (int o = 0; o < OUTS; o++) acc[o][r] = 0.0f;
-        }
-        if (NORM) {
-            float ss[ROWS];
-            #pragma unroll
-            for (int r = 0; r < ROWS; r++) ss[r] = 0.0f;
-            for (int g = t; g < groups; g += blockDim.x) {
-                #pragma unroll
-                for (int r = 0; r < ROWS; r++) {
-                    if (r >= rows) break;
-                    float xv[4];
-                    load4<0, false>(x, (i64)r * K + 4 * (i64)g, xv);
-                    ss[r] += xv[0] * xv[0] + xv[1] * xv[1] + xv[2] * xv[2] + xv[3] * xv[3];
-                }
-            }
-            #pragma unroll
-            for (int r = 0; r < ROWS; r++) {
-                if (r >= rows) break;
-                float v = warp_sum(ss[r]);
-                if (lane == 0) red[warp][OUTS * ROWS + r] = v;
-            }
-            __syncthreads();
-            #pragma unroll
-            for (int r = 0; r < ROWS; r++) {
-                if (r >= rows) break;
-                float sq = 0.0f;
-                for (int k = 0; k < nwarps; k++) sq += red[k][OUTS * ROWS + r];
-                scale[r] = 1.0f / sqrtf(sq / (float)K + eps);
-            }
         }
         // GEMV_STEPS steps per pass, their loads unconditional (a step past the row re-reads
         // the pass's first and is not added): all 2·OUTS weight loads and the x loads issue
