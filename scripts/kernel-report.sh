@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CUDA kernels as the GPU will run them, on a machine without one: NVRTC compiles kernels.cu
+# The CUDA kernels as the GPU will run them, on a machine without one: NVRTC compiles the kernels
 # to an sm_90 cubin (`thaw kernels`), and NVIDIA's cuobjdump/nvdisasm (PyPI wheels, installed
 # once into $THAW_HOME/venv) print each kernel's registers, shared memory and stack, and on
 # request its SASS — to see whether loads are issued together before the first use, or spill.

@@ -1,8 +1,11 @@
-//! Compiles `../src/cuda/kernels.cu` as C++ for the CPU through the shim in `cpp/`.
+//! Compiles the CUDA kernels (`../src/cuda/*.cu`, `common.cuh` first) as C++ for the CPU through
+//! the shim in `cpp/`.
 fn main() {
     println!("cargo:rerun-if-changed=cpp/shim.h");
     println!("cargo:rerun-if-changed=cpp/emu.cpp");
-    println!("cargo:rerun-if-changed=../src/cuda/kernels.cu");
+    for f in ["common.cuh", "elementwise.cu", "attention.cu", "gemv.cu"] {
+        println!("cargo:rerun-if-changed=../src/cuda/{f}");
+    }
     cc::Build::new()
         .cpp(true)
         .file("cpp/emu.cpp")

@@ -1,5 +1,5 @@
 //! The device interface a model drives: memory addressed by `u64`, the kernels of
-//! `cuda/kernels.cu`, and GEMM. Implemented by the CUDA `cuda::Gpu` (feature `cuda`)
+//! `cuda/*.cu`, and GEMM. Implemented by the CUDA `cuda::Gpu` (feature `cuda`)
 //! and by the CPU emulator of those kernels (`thaw-cuda-emu`, tests), so the model code above it
 //! — the sequence of launches, buffer sizes, GEMM shapes — runs and is checked without a GPU.
 //!
@@ -132,7 +132,7 @@ pub struct Tiles {
 /// Query rows per prefill tile (one warp each).
 pub const PREFILL_TILE: usize = 4;
 
-/// Most rows the matrix-vector kernel (`gemv` in kernels.cu) takes in one launch.
+/// Most rows the matrix-vector kernel (`gemv` in gemv.cu) takes in one launch.
 pub const GEMV_MAX_ROWS: usize = 8;
 
 /// Most matrices one [`DeviceOps::gemv`] launch multiplies by the same activations.

@@ -1,4 +1,4 @@
-//! The CUDA kernels (`src/cuda/kernels.cu`, run by the CPU emulator in `thaw-cuda-emu`) against
+//! The CUDA kernels (`src/cuda/*.cu`, run by the CPU emulator in `thaw-cuda-emu`) against
 //! the CPU backend's functions on the same inputs — the GPU code's logic tested on every
 //! machine. Tolerances only cover summation order (and `exp` implementations); conversions and
 //! data movement are compared bit for bit.

@@ -32,7 +32,10 @@ float emu_shfl_xor(float v, int lane_mask) {
     return r;
 }
 
-#include "../../src/cuda/kernels.cu"
+#include "../../src/cuda/common.cuh"
+#include "../../src/cuda/elementwise.cu"
+#include "../../src/cuda/attention.cu"
+#include "../../src/cuda/gemv.cu"
 
 namespace {
 std::mutex one_launch;  // the grid state above is global: one launch at a time per process

@@ -1,4 +1,4 @@
-// Just enough of CUDA C for kernels.cu to compile as C++ and run on the CPU: one OS thread per
+// Just enough of CUDA C for the kernels (src/cuda/*.cu) to compile as C++ and run on the CPU: one OS thread per
 // CUDA thread, blocks one after another, std::barrier for __syncthreads and warp shuffles,
 // __shared__ as function statics (safe because only one block runs at a time).
 #pragma once

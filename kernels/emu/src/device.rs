@@ -38,7 +38,7 @@ pub struct Emu;
 /// Largest weight matrix (elements) the emulator runs through the `gemv` kernel itself.
 pub const EMU_GEMV_MAX_ELEMS: usize = 1 << 16;
 
-/// The matrix-vector kernels of kernels.cu (the GPU picks by rows and `Gpu::gemv_wide`).
+/// The matrix-vector kernels of gemv.cu (the GPU picks by rows and `Gpu::gemv_wide`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GemvKernel {
     /// `gemv`: 1..=8 rows, 4 outputs per block.

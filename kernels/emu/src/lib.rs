@@ -1,6 +1,6 @@
 //! # thaw-cuda-emu: the CUDA kernels on the CPU, for tests
 //!
-//! `kernels/src/cuda/kernels.cu` compiled as C++ (see `cpp/shim.h`): each CUDA thread is an OS
+//! `kernels/src/cuda/*.cu` compiled as C++ (see `cpp/shim.h`): each CUDA thread is an OS
 //! thread, blocks run one after another, `__syncthreads` and warp shuffles are barriers. Slow,
 //! but the same source the GPU runs — so the kernels' indexing, online softmax, warp merges and
 //! 16-bit conversions are tested against the CPU backend on machines without a GPU

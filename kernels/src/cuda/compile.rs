@@ -1,4 +1,4 @@
-//! Run-time compilation of `kernels.cu` with NVRTC, for the device's own architecture, cached on
+//! Run-time compilation of the kernels (`SOURCE`: `common.cuh` and the `.cu` files) with NVRTC, for the device's own architecture, cached on
 //! disk.
 //!
 //! Two forms: a **cubin** (machine code for exactly `sm_XY`) and **PTX** (for `compute_XY`,
@@ -14,8 +14,16 @@ use std::path::{Path, PathBuf};
 
 use super::CudaError;
 
-/// The kernels' CUDA C source.
-pub const SOURCE: &str = include_str!("kernels.cu");
+/// The kernels' CUDA C source: `common.cuh`, then the kernels by family, as one program.
+pub const SOURCE: &str = concat!(
+    include_str!("common.cuh"),
+    "\n",
+    include_str!("elementwise.cu"),
+    "\n",
+    include_str!("attention.cu"),
+    "\n",
+    include_str!("gemv.cu"),
+);
 
 /// Every kernel `SOURCE` defines (checked after each PTX compile).
 pub const KERNELS: &[&str] = &[

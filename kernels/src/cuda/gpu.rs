@@ -103,7 +103,7 @@ pub struct Gpu {
     pub init: GpuInit,
 }
 
-/// Warps per block of the `attention` (decode) and `attention_prefill` kernels (kernels.cu's
+/// Warps per block of the `attention` (decode) and `attention_prefill` kernels (attention.cu's
 /// DEC_WARPS and ATT_WARPS).
 const DEC_WARPS: u32 = 8;
 const ATT_WARPS: u32 = 4;
@@ -287,7 +287,7 @@ impl AttnArgs {
             .arg(&self.out_kind);
     }
 
-    /// One block of `warps` warps (kernels.cu: DEC_WARPS for `attention`, ATT_WARPS for
+    /// One block of `warps` warps (attention.cu: DEC_WARPS for `attention`, ATT_WARPS for
     /// `attention_prefill`) per (row or tile, KV head).
     fn grid(&self, n: usize, warps: u32) -> LaunchConfig {
         LaunchConfig {
@@ -474,7 +474,7 @@ impl DeviceOps for Gpu {
         Ok(())
     }
 
-    /// Causal paged GQA attention for `n` query rows (see `kernels.cu`).
+    /// Causal paged GQA attention for `n` query rows (see `attention.cu`).
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,

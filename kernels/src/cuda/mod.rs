@@ -4,7 +4,7 @@
 //!   (`dynamic-loading`), so this compiles and links on machines with no CUDA toolkit; but a
 //!   cudarc call made where libcuda is missing panics inside cudarc. Every entry point therefore
 //!   checks `is_culib_present()` first and turns absence into a typed error.
-//! * [`compile`]: the kernels' CUDA C source (`kernels.cu`), compiled at run time by NVRTC for
+//! * [`compile`]: the kernels' CUDA C source (`common.cuh`, `elementwise.cu`, `attention.cu`, `gemv.cu`), compiled at run time by NVRTC for
 //!   the device's architecture and cached on disk (tested here wherever libnvrtc loads — no GPU
 //!   needed).
 //! * [`Gpu`]: context, one stream, cuBLAS, typed kernel launches. The model code that drives it

@@ -19,7 +19,7 @@
 //! * **Decode products** can go to matrix-vector kernels instead of cuBLAS (opt-in,
 //!   `THAW_CUDA_GEMV_ROWS`): products sharing their input (q/k/v, gate/up) in one launch, the
 //!   RMSNorm before them folded in. The first such kernel lost to cuBLAS on an H200; this one
-//!   (rewritten, see kernels.cu) is not measured on a GPU yet, so cuBLAS stays the default until
+//!   (rewritten, see gemv.cu) is not measured on a GPU yet, so cuBLAS stays the default until
 //!   a run shows it winning (docs/PERFORMANCE.md).
 //! * **Long rows' decode attention** is split over blocks (flash-decoding, [`Split`]) where one
 //!   block per row and KV head would leave the device mostly idle.

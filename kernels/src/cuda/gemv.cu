@@ -1,0 +1,215 @@
+// Matrix-vector products for decode (part of thaw's kernels: see common.cuh, which comes first).
+
+// 8 bytes at `p`; with STREAM, kept out of L1 (`L1::no_allocate`): weights no other thread
+// reads, so the activations every block re-reads stay there.
+template <bool STREAM>
+__device__ __forceinline__ uint2 load8(const void* p) {
+#ifndef THAW_CUDA_EMU
+    if (STREAM) {
+        uint2 v;
+        asm("ld.global.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+        return v;
+    }
+#endif
+    return *(const uint2*)p;
+}
+
+// Four consecutive elements of kind KIND from element `i` (8-byte aligned for 16-bit kinds, two
+// 8-byte loads for f32) as f32.
+template <int KIND, bool STREAM>
+__device__ __forceinline__ void load4(const void* p, i64 i, float* out) {
+    if (KIND == 0) {
+        uint2 a = load8<STREAM>((const float*)p + i), b = load8<STREAM>((const float*)p + i + 2);
+        out[0] = __uint_as_float(a.x); out[1] = __uint_as_float(a.y);
+        out[2] = __uint_as_float(b.x); out[3] = __uint_as_float(b.y);
+        return;
+    }
+    uint2 v = load8<STREAM>((const u16*)p + i);
+    u16 h[4] = {(u16)(v.x & 0xffffu), (u16)(v.x >> 16), (u16)(v.y & 0xffffu), (u16)(v.y >> 16)};
+    #pragma unroll
+    for (int j = 0; j < 4; j++) out[j] = KIND == 1 ? bf16_to_f32(h[j]) : f16_to_f32(h[j]);
+}
+
+// `v` rounded to kind KIND and back (what storing it as that kind and loading it gives).
+template <int KIND>
+__device__ __forceinline__ float round_to(float v) {
+    if (KIND == 1) return bf16_to_f32(f32_to_bf16(v));
+    if (KIND == 2) return f16_to_f32(f32_to_f16(v));
+    return v;
+}
+
+// Matrix-vector products for decode: `y[r, n] = Σ_k W[n, k]·x[r, k] + beta·y[r, n]` for
+// r < rows ≤ GEMV_MAX_ROWS, W `[N, K]` row-major of kind `w_kind`, x in W's kind, y f32, f32
+// accumulation — for up to three matrices that share x and K in one launch (q, k, v; gate, up),
+// so the small ones (k, v: 8 MB on an 8B model) do not each pay a launch and a half-empty grid.
+//
+// A decode step reads every weight once; a GEMM library tiles a one-row product over too few
+// blocks to keep HBM busy. Here a block owns OUTS consecutive outputs of one matrix and splits
+// K over all its threads: each thread reads 4 elements of each of the OUTS rows per step (a
+// warp's loads of one row are 256 contiguous bytes; weights bypass L1, read once by one
+// thread), multiplies them by the same 4 elements of x (read once per block, not once per
+// output), and the block reduces its partial sums through shared memory. Kinds are template
+// parameters (the entry points dispatch once), so the loads of two steps — 2·OUTS weight loads
+// and the x loads — are all in flight before the first multiply (checked in the SASS): a kind
+// chosen per load at run time put each load in a branch of its own. K a multiple of 4, W and x 8-byte aligned (the
+// caller checks). Output groups beyond the grid are strided over it: the emulator runs a small
+// grid, and a GPU launch has either a block per group or (`Gpu::gemv_persistent`) as many
+// blocks as fit on the device at once, each computing the norm's scale once for all its groups.
+//
+// With `norm` (f32 weights, K of them), x is the f32 residual and the product is of its RMSNorm,
+// as the `rmsnorm` kernel would have stored it: each block first sums x² over the row (x is
+// small and cached; the weights are what streams from memory), then multiplies W by
+// x·scale·norm rounded to W's kind — the same activations the unfused step (and the CPU) feed
+// the product, without a kernel of their own or a round trip through memory.
+#define GEMV_MAX_ROWS 8
+#define GEMV_MAX_WARPS 8
+#define GEMV_STEPS 2  // 4-element steps per thread per pass
+
+#define GEMV_ARGS                                                                               \
+    const void *w0, const void *w1, const void *w2, float *y0, float *y1, float *y2, int n0,     \
+        int n1, int n2, int w_kind, const void *x, int rows, int K, const float *norm,           \
+        float eps, float beta
+
+// (The three matrices are picked by selects, not an array indexed at run time: that would put
+// the array in local memory.)
+template <int ROWS, int OUTS, int WK, bool NORM>
+__device__ __forceinline__ void gemv_body(GEMV_ARGS, float (*red)[OUTS * ROWS + ROWS]) {
+    constexpr int XK = NORM ? 0 : WK;  // x's kind: the f32 residual under a norm
+    (void)w_kind;                      // = WK (the entry point dispatched on it)
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5, nwarps = blockDim.x >> 5;
+    const int groups = K >> 2;
+    const int b0 = (n0 + OUTS - 1) / OUTS, b1 = (n1 + OUTS - 1) / OUTS;
+    const int total = b0 + b1 + (n2 + OUTS - 1) / OUTS;
+    // The norm's scale per row, once per block (every output group of the block shares x).
+    float scale[ROWS];
+    #pragma unroll
+    for (int r = 0; r < ROWS; r++) scale[r] = 1.0f;
+    if (NORM) {
+        float ss[ROWS];
+        #pragma unroll
+        for (int r = 0; r < ROWS; r++) ss[r] = 0.0f;
+        for (int g = t; g < groups; g += blockDim.x) {
+            #pragma unroll
+            for (int r = 0; r < ROWS; r++) {
+                if (r >= rows) break;
+                float xv[4];
+                load4<0, false>(x, (i64)r * K + 4 * (i64)g, xv);
+                ss[r] += xv[0] * xv[0] + xv[1] * xv[1] + xv[2] * xv[2] + xv[3] * xv[3];
+            }
+        }
+        #pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+            if (r >= rows) break;
+            float v = warp_sum(ss[r]);
+            if (lane == 0) red[warp][OUTS * ROWS + r] = v;
+        }
+        __syncthreads();
+        #pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+            if (r >= rows) break;
+            float sq = 0.0f;
+            for (int k = 0; k < nwarps; k++) sq += red[k][OUTS * ROWS + r];
+            scale[r] = 1.0f / sqrtf(sq / (float)K + eps);
+        }
+    }
+    for (int b = blockIdx.x; b < total; b += gridDim.x) {
+        const int m = b < b0 ? 0 : b < b0 + b1 ? 1 : 2;
+        const int o0 = (b - (m == 0 ? 0 : m == 1 ? b0 : b0 + b1)) * OUTS;
+        const int N = m == 0 ? n0 : m == 1 ? n1 : n2;
+        const int outs = N - o0 < OUTS ? N - o0 : OUTS;
+        const void* w = m == 0 ? w0 : m == 1 ? w1 : w2;
+        float acc[OUTS][ROWS];
+        #pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+            #pragma unroll
+            for (int o = 0; o < OUTS; o++) acc[o][r] = 0.0f;
+        }
+        // GEMV_STEPS steps per pass, their loads unconditional (a step past the row re-reads
+        // the pass's first and is not added): all 2·OUTS weight loads and the x loads issue
+        // before the first multiply waits. (A loop unrolled by the compiler keeps its bounds
+        // check between steps, and the second step's loads behind the first's multiplies.)
+        for (int g0 = t; g0 < groups; g0 += GEMV_STEPS * blockDim.x) {
+            int gs[GEMV_STEPS];
+            bool ok[GEMV_STEPS];
+            #pragma unroll
+            for (int u = 0; u < GEMV_STEPS; u++) {
+                const int g = g0 + u * blockDim.x;
+                ok[u] = g < groups;
+                gs[u] = ok[u] ? g : g0;
+            }
+            float wv[GEMV_STEPS][OUTS][4], nv[GEMV_STEPS][4];
+            #pragma unroll
+            for (int u = 0; u < GEMV_STEPS; u++) {
+                #pragma unroll
+                for (int o = 0; o < OUTS; o++) {
+                    // A last block's missing rows read row o0 again (in bounds), not stored.
+                    const int row = o0 + (o < outs ? o : 0);
+                    load4<WK, true>(w, (i64)row * K + 4 * (i64)gs[u], wv[u][o]);
+                }
+                if (NORM) load4<0, false>(norm, 4 * (i64)gs[u], nv[u]);
+            }
+            #pragma unroll
+            for (int r = 0; r < ROWS; r++) {
+                if (r >= rows) break;
+                float xv[GEMV_STEPS][4];
+                #pragma unroll
+                for (int u = 0; u < GEMV_STEPS; u++)
+                    load4<XK, false>(x, (i64)r * K + 4 * (i64)gs[u], xv[u]);
+                #pragma unroll
+                for (int u = 0; u < GEMV_STEPS; u++) {
+                    if (!ok[u]) continue;
+                    if (NORM) {
+                        #pragma unroll
+                        for (int i = 0; i < 4; i++)
+                            xv[u][i] = round_to<WK>(xv[u][i] * scale[r] * nv[u][i]);
+                    }
+                    #pragma unroll
+                    for (int o = 0; o < OUTS; o++)
+                        acc[o][r] += wv[u][o][0] * xv[u][0] + wv[u][o][1] * xv[u][1] +
+                                     wv[u][o][2] * xv[u][2] + wv[u][o][3] * xv[u][3];
+                }
+            }
+        }
+        #pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+            if (r >= rows) break;
+            #pragma unroll
+            for (int o = 0; o < OUTS; o++) {
+                float v = warp_sum(acc[o][r]);
+                if (lane == 0) red[warp][o * ROWS + r] = v;
+            }
+        }
+        __syncthreads();
+        if (t < outs * rows) {
+            const int o = t / rows, r = t % rows;
+            float v = 0.0f;
+            for (int k = 0; k < nwarps; k++) v += red[k][o * ROWS + r];
+            const i64 i = (i64)r * N + o0 + o;
+            float* y = m == 0 ? y0 : m == 1 ? y1 : y2;
+            y[i] = beta == 0.0f ? v : v + beta * y[i];
+        }
+        __syncthreads();  // `red` is reused by the next block's outputs
+    }
+}
+
+#define GEMV_BODY(ROWS, OUTS, WK, NORM)                                                         \
+    gemv_body<ROWS, OUTS, WK, NORM>(w0, w1, w2, y0, y1, y2, n0, n1, n2, w_kind, x, rows, K,      \
+                                    norm, eps, beta, red)
+#define GEMV_CALL(ROWS, OUTS)                                                                   \
+    __shared__ float red[GEMV_MAX_WARPS][(OUTS) * (ROWS) + (ROWS)];                              \
+    if (norm) {                                                                                  \
+        if (w_kind == 1) GEMV_BODY(ROWS, OUTS, 1, true);                                         \
+        else if (w_kind == 2) GEMV_BODY(ROWS, OUTS, 2, true);                                    \
+        else GEMV_BODY(ROWS, OUTS, 0, true);                                                     \
+    } else {                                                                                     \
+        if (w_kind == 1) GEMV_BODY(ROWS, OUTS, 1, false);                                        \
+        else if (w_kind == 2) GEMV_BODY(ROWS, OUTS, 2, false);                                   \
+        else GEMV_BODY(ROWS, OUTS, 0, false);                                                    \
+    }
+
+// Batch rows 2..=8 (registers for 8 rows), one row (the decode that matters: fewer registers,
+// more blocks resident), one row with 8 outputs per block (twice the loads in flight per
+// thread; `Gpu::gemv_wide` picks between the two one-row forms).
+KERNEL void gemv(GEMV_ARGS) { GEMV_CALL(GEMV_MAX_ROWS, 4) }
+KERNEL void gemv1(GEMV_ARGS) { GEMV_CALL(1, 4) }
+KERNEL void gemv1w(GEMV_ARGS) { GEMV_CALL(1, 8) }
