@@ -50,11 +50,12 @@ __device__ __forceinline__ float round_to(float v) {
 // thread), multiplies them by the same 4 elements of x (read once per block, not once per
 // output), and the block reduces its partial sums through shared memory. Kinds are template
 // parameters (the entry points dispatch once), so the loads of two steps — 2·OUTS weight loads
-// and the x loads — are all in flight before the first multiply (checked in the SASS): a kind
-// chosen per load at run time put each load in a branch of its own. K a multiple of 4, W and x 8-byte aligned (the
-// caller checks). Output groups beyond the grid are strided over it: the emulator runs a small
-// grid, and a GPU launch has either a block per group or (`Gpu::gemv_persistent`) as many
-// blocks as fit on the device at once, each computing the norm's scale once for all its groups.
+// and the x loads — are all in flight before the first multiply (checked in the SASS,
+// `scripts/kernel-report.sh gemv1`): a kind chosen per load at run time put each load in a branch
+// of its own. K a multiple of 4, W and x 8-byte aligned (the caller checks). Output groups beyond
+// the grid are strided over it: the emulator runs a small grid, and a GPU launch has either a
+// block per group or (`Gpu::gemv_persistent`) as many blocks as fit on the device at once, each
+// computing the norm's scale once for all its groups.
 //
 // With `norm` (f32 weights, K of them), x is the f32 residual and the product is of its RMSNorm,
 // as the `rmsnorm` kernel would have stored it: each block first sums x² over the row (x is
