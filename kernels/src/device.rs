@@ -160,13 +160,15 @@ pub struct GemvNorm {
 
 impl GemvIn {
     /// Whether the matrix-vector kernel takes these activations times `outs` (of `w_kind`):
-    /// 1 to [`GEMV_MAX_OUTS`] matrices, each fitting [`gemv_fits`] for at most `max_rows` rows,
-    /// x in W's kind (or f32 under a norm, whose weights are 8-byte aligned).
+    /// f32 or bf16 weights, 1 to [`GEMV_MAX_OUTS`] matrices, each fitting [`gemv_fits`] for at
+    /// most `max_rows` rows, x in W's kind (or f32 under a norm, whose weights are 8-byte aligned).
     pub fn fits(&self, w_kind: Elem, outs: &[GemvOut], max_rows: usize) -> bool {
-        let kind_ok = match self.norm {
-            None => self.kind == w_kind,
-            Some(n) => self.kind == Elem::F32 && n.w.is_multiple_of(8),
-        };
+        // f32 or bf16 weights (f16 products go to cuBLAS: one kind fewer for NVRTC to compile).
+        let kind_ok = w_kind != Elem::F16
+            && match self.norm {
+                None => self.kind == w_kind,
+                Some(n) => self.kind == Elem::F32 && n.w.is_multiple_of(8),
+            };
         kind_ok
             && !outs.is_empty()
             && outs.len() <= GEMV_MAX_OUTS

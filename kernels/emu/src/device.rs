@@ -350,6 +350,9 @@ impl DeviceOps for Emu {
         split: Split,
     ) -> Result<(), EmuError> {
         s.check().map_err(EmuError)?;
+        if kv_kind == Elem::F16 {
+            return Err(EmuError("an f16 KV cache: unsupported".into()));
+        }
         let (chunk, nsplit) = if split.chunk > 0 && split.n > 1 {
             (split.chunk as i32, split.n as i32)
         } else {

@@ -255,6 +255,10 @@ struct AttnArgs {
 impl AttnArgs {
     fn new(kv: Elem, p: Paging, s: AttnDims, out: Elem) -> Result<AttnArgs, CudaError> {
         s.check().map_err(CudaError::Unsupported)?;
+        if kv == Elem::F16 {
+            // (KV caches are f32 or bf16; the kernels are compiled for those two.)
+            return Err(CudaError::Unsupported("an f16 KV cache".into()));
+        }
         Ok(AttnArgs {
             kv_kind: kv.code(),
             block_size: p.block_size as i32,
