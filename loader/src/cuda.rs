@@ -203,7 +203,9 @@ impl Default for Staging {
     }
 }
 
-/// Loads `ck` into device memory through a ring of pinned buffers of the plan's chunk size.
+/// Loads `ck` into device memory through a ring of pinned buffers of the plan's chunk size — or,
+/// with `staging.pin_in_place` and the checkpoint resident in the page cache, straight from its
+/// mapped pages pinned in place (the ring is the fallback; `stats.fallback` says why).
 pub fn load_to_device(
     ck: &Checkpoint,
     opts: &LoadOptions,
