@@ -9,7 +9,7 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, PinnedHostSl
 
 use crate::mapped::{copy_mapped, map_shards, MappedStats, PinInPlace};
 use crate::plan::LoadPlan;
-use crate::read::{begin, load_into, LoadOptions, LoadStats, Strategy};
+use crate::read::{begin, load_job_into, Job, LoadOptions, LoadStats, Strategy};
 use crate::staging::{CopyEngine, StagingBuf, StagingRing};
 use crate::{Checkpoint, LoadError};
 
@@ -213,27 +213,35 @@ pub fn load_to_device(
     staging: Staging,
 ) -> Result<DeviceLoad, LoadError> {
     let t = std::time::Instant::now();
+    // One plan, manifest read and residency sample, whichever way the bytes go.
+    let mut job = begin(ck, opts)?;
     let mut fallback = None;
     if staging.pin_in_place && matches!(opts.strategy, Strategy::Auto | Strategy::Mmap) {
-        match load_in_place(ck, opts, ctx, staging)? {
-            Ok(l) => return Ok(l),
-            Err(reason) => fallback = Some(reason),
+        if job.stats.resident < 0.9 && opts.strategy != Strategy::Mmap {
+            fallback = Some(format!(
+                "{:.0}% resident in the page cache: read from the disk instead",
+                job.stats.resident * 100.0
+            ));
+        } else {
+            match load_in_place(job, ctx, staging, t)? {
+                Ok(l) => return Ok(l),
+                Err((j, reason)) => {
+                    job = j;
+                    fallback = Some(reason);
+                }
+            }
         }
     }
-    // Chunks are the manifest's size when there is one (its hashes are per chunk).
-    let manifest = match opts.verify {
-        crate::Verify::Off => None,
-        _ => crate::Manifest::read(&ck.dir)?,
-    };
-    let chunk = manifest.as_ref().map_or(opts.chunk_size, |m| m.chunk_size);
+    // Chunks are the plan's: the manifest's size when there is one (its hashes are per chunk).
     // Write-combined staging only where no hash is computed over the staged bytes.
-    let wc = staging.write_combined && manifest.is_none();
+    let t_alloc = std::time::Instant::now();
+    let wc = staging.write_combined && job.expected.is_none();
     let bufs = (0..staging.buffers.max(2))
-        .map(|_| PinnedBuf::new(ctx, chunk as usize, wc))
+        .map(|_| PinnedBuf::new(ctx, job.plan.chunk_size as usize, wc))
         .collect::<Result<Vec<_>, _>>()?;
     let mut dest = StagingRing::new(bufs, CudaCopy::new(ctx)?);
-    let alloc_s = t.elapsed().as_secs_f64();
-    let (plan, mut stats) = load_into(ck, opts, &mut dest, &mut |_| {})?;
+    let alloc_s = t_alloc.elapsed().as_secs_f64();
+    let (plan, mut stats) = load_job_into(ck, job, &mut dest, &mut |_| {})?;
     dest.finish()?;
     let copy_s = dest.copy_wait_s();
     stats.total_s = t.elapsed().as_secs_f64();
@@ -250,33 +258,26 @@ pub fn load_to_device(
     })
 }
 
-/// Loads a page-cache-resident checkpoint by pinning its mapped pages in place. `Ok(Err(why))`:
-/// not done this way (not resident, or the driver refused to pin), so the caller stages instead.
+/// Loads a page-cache-resident checkpoint by pinning its mapped pages in place. `Ok(Err((job,
+/// why)))`: the driver refused to pin, so the caller stages the same job instead.
 fn load_in_place(
-    ck: &Checkpoint,
-    opts: &LoadOptions,
+    job: Job,
     ctx: &Arc<CudaContext>,
     staging: Staging,
-) -> Result<Result<DeviceLoad, String>, LoadError> {
-    let t = std::time::Instant::now();
-    let job = begin(ck, opts)?;
-    if job.stats.resident < 0.9 && opts.strategy != Strategy::Mmap {
-        return Ok(Err(format!(
-            "{:.0}% resident in the page cache: read from the disk instead",
-            job.stats.resident * 100.0
-        )));
-    }
+    t: std::time::Instant,
+) -> Result<Result<DeviceLoad, (Job, String)>, LoadError> {
+    let t_alloc = std::time::Instant::now();
     let mut engine = CudaCopy::new(ctx)?;
     crate::staging::CopyEngine::prepare(&mut engine, &job.plan)?;
     let maps = map_shards(&job.plan)?;
-    let alloc_s = t.elapsed().as_secs_f64() - job.stats.plan_s;
+    let alloc_s = t_alloc.elapsed().as_secs_f64();
     let t_io = std::time::Instant::now();
     let r = copy_mapped(
         &job.plan,
         &maps,
         job.expected.as_deref(),
         &engine,
-        opts.threads,
+        job.opts.threads,
         staging.pin_depth,
     );
     let m = match r {
@@ -286,11 +287,11 @@ fn load_in_place(
                 .pin_refused
                 .load(std::sync::atomic::Ordering::Relaxed) =>
         {
-            return Ok(Err(e.to_string()))
+            return Ok(Err((job, e.to_string())))
         }
         Err(e) => return Err(e),
     };
-    let mut stats = job.stats.clone();
+    let mut stats = job.stats;
     stats.strategy = "pin-in-place".into();
     stats.verify_s = m.verify_s / m.threads as f64;
     stats.io_s = t_io.elapsed().as_secs_f64() - stats.verify_s;

@@ -96,9 +96,10 @@ pub fn copy_mapped<E: PinInPlace>(
     let next = AtomicUsize::new(0);
     let failed = AtomicBool::new(false);
     let first_err: Mutex<Option<LoadError>> = Mutex::new(None);
-    let ns = [(); 4].map(|_| AtomicU64::new(0));
-    let add = |k: usize, t: Instant| {
-        ns[k].fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    // Nanoseconds summed over the workers: pinning, unpinning, waiting on copies, verifying.
+    let (pin_ns, unpin_ns, wait_ns, verify_ns) = Default::default();
+    let add = |ns: &AtomicU64, t: Instant| {
+        ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
     };
     let worker = || {
         let mut pinned: VecDeque<Pinned<E::Event>> = VecDeque::new();
@@ -106,12 +107,12 @@ pub fn copy_mapped<E: PinInPlace>(
         let retire = |p: Pinned<E::Event>| -> Result<(), LoadError> {
             let t = Instant::now();
             let waited = engine.wait(p.ev);
-            add(2, t);
+            add(&wait_ns, t);
             let t = Instant::now();
             // SAFETY: `p.ptr` was pinned by this thread and its copy has completed (or the wait
             // failed, in which case the context is broken and no copy runs any more).
             let unpinned = unsafe { engine.unpin(p.ptr as *const u8) };
-            add(1, t);
+            add(&unpin_ns, t);
             waited.and(unpinned)
         };
         let mut result = Ok(());
@@ -135,7 +136,7 @@ pub fn copy_mapped<E: PinInPlace>(
                 if let Some(h) = expected {
                     let t = Instant::now();
                     let r = crate::read::verify_chunk(plan, c, &map[start..start + len], &h[i]);
-                    add(3, t);
+                    add(&verify_ns, t);
                     r?;
                 }
                 while pinned.len() >= depth {
@@ -146,7 +147,7 @@ pub fn copy_mapped<E: PinInPlace>(
                 // SAFETY: page-aligned (file offsets of chunks are, and mappings start on a
                 // page) and inside the mapping, which outlives this function.
                 unsafe { engine.pin(ptr, pin_len)? };
-                add(0, t);
+                add(&pin_ns, t);
                 // SAFETY: the pinned range holds `len` bytes that stay put (a read-only mapping)
                 // until the copy's event has been waited for in `retire`.
                 match unsafe { engine.copy(ptr, len, c.shard, c.file_off - s.aligned_start) } {
@@ -192,12 +193,12 @@ pub fn copy_mapped<E: PinInPlace>(
     if let Some(e) = first_err.into_inner().unwrap_or_else(|p| p.into_inner()) {
         return Err(e);
     }
-    let s = |k: usize| ns[k].load(Ordering::Relaxed) as f64 / 1e9;
+    let s = |ns: AtomicU64| ns.into_inner() as f64 / 1e9;
     Ok(MappedStats {
         threads,
-        pin_s: s(0),
-        unpin_s: s(1),
-        copy_wait_s: s(2),
-        verify_s: s(3),
+        pin_s: s(pin_ns),
+        unpin_s: s(unpin_ns),
+        copy_wait_s: s(wait_ns),
+        verify_s: s(verify_ns),
     })
 }

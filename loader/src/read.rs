@@ -306,7 +306,7 @@ pub struct Loaded {
 pub(crate) struct Job {
     pub(crate) plan: LoadPlan,
     pub(crate) expected: Option<Vec<String>>,
-    opts: LoadOptions,
+    pub(crate) opts: LoadOptions,
     pub(crate) stats: LoadStats,
     t0: Instant,
 }
@@ -463,11 +463,20 @@ pub fn load_into(
     dest: &mut dyn Destination,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<(LoadPlan, LoadStats), LoadError> {
-    let mut job = begin(ck, opts)?;
+    load_job_into(ck, begin(ck, opts)?, dest, progress)
+}
+
+/// [`load_into`] for a load already begun (plan made, manifest read, residency sampled).
+pub(crate) fn load_job_into(
+    ck: &Checkpoint,
+    mut job: Job,
+    dest: &mut dyn Destination,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<(LoadPlan, LoadStats), LoadError> {
     // Bytes must be copied into the destination's buffers either way (no in-place mapping), so
     // `auto` reads a page-cache-resident checkpoint with buffered parallel preads (memory
     // speed; O_DIRECT would go back to the disk) and anything else with io_uring + O_DIRECT.
-    let strategy = match opts.strategy {
+    let strategy = match job.opts.strategy {
         Strategy::Pread => Strategy::Pread,
         Strategy::Auto if job.stats.resident >= 0.9 => Strategy::Pread,
         _ => Strategy::UringDirect,
