@@ -34,6 +34,7 @@ use std::sync::{Arc, Mutex};
 
 use thaw_kernels::device::{
     AttnDims, DeviceBuf, DeviceOps, Elem, GemvIn, GemvNorm, GemvOut, Paging, Split, Tiles,
+    GEMV_MAX_OUTS,
 };
 use thaw_loader::{Dtype, LoadStats};
 
@@ -337,14 +338,25 @@ impl<D: DeviceOps> DeviceLlama<D> {
             let same = ws
                 .iter()
                 .all(|(w, _)| w.kind == w0.kind && w.cols == w0.cols);
-            let outs: Vec<GemvOut> = ws
-                .iter()
-                .map(|&(w, y)| GemvOut {
-                    w: w.ptr,
-                    out_dim: w.rows,
-                    y,
-                })
-                .collect();
+            // On the stack (this runs for every product of every step); more matrices than a
+            // launch takes leave it empty, which the kernel refuses (cuBLAS then).
+            let mut buf = [GemvOut {
+                w: 0,
+                out_dim: 0,
+                y: 0,
+            }; GEMV_MAX_OUTS];
+            let outs = if ws.len() <= GEMV_MAX_OUTS {
+                for (o, &(w, y)) in buf.iter_mut().zip(ws) {
+                    *o = GemvOut {
+                        w: w.ptr,
+                        out_dim: w.rows,
+                        y,
+                    };
+                }
+                &buf[..ws.len()]
+            } else {
+                &buf[..0]
+            };
             let input = |x: u64, kind: Elem, norm: Option<GemvNorm>| GemvIn {
                 x,
                 kind,
@@ -355,18 +367,18 @@ impl<D: DeviceOps> DeviceLlama<D> {
             let mut x = x;
             if let Some(w) = norm {
                 let fused = input(x, Elem::F32, Some(GemvNorm { w, eps }));
-                if same && fuse_norm && fused.fits(w0.kind, &outs, gemv_rows) {
+                if same && fuse_norm && fused.fits(w0.kind, outs, gemv_rows) {
                     self.gemv_launches.fetch_add(1, Ordering::Relaxed);
-                    return g.gemv(w0.kind, &outs, &fused, beta).map_err(e);
+                    return g.gemv(w0.kind, outs, &fused, beta).map_err(e);
                 }
                 g.rmsnorm(x, 0, w, rows, w0.cols, eps, s.xn.ptr(), act)
                     .map_err(e)?;
                 x = s.xn.ptr();
             }
             let plain = input(x, act, None);
-            if same && plain.fits(w0.kind, &outs, gemv_rows) {
+            if same && plain.fits(w0.kind, outs, gemv_rows) {
                 self.gemv_launches.fetch_add(1, Ordering::Relaxed);
-                return g.gemv(w0.kind, &outs, &plain, beta).map_err(e);
+                return g.gemv(w0.kind, outs, &plain, beta).map_err(e);
             }
             for &(w, y) in ws {
                 g.gemm(w.ptr, w.kind, w.rows, w.cols, x, rows, y, beta)
