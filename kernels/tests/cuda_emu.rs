@@ -426,6 +426,11 @@ fn rope_store_and_paged_attention_match_the_cpu() {
                 _ => (KvData::Bf16(&k16), KvData::Bf16(&v16)),
             };
             ops::paged_attention(pool, &q, kd, vd, &prows, store, shape, &mut want);
+            let paging = emu::Paging {
+                block_size: c.block_size,
+                block_stride: c.stride(),
+                layer_off: c.layer_off(),
+            };
             // Whole rows per block, and flash-decoding in splits of 32 positions (rows past
             // 32 positions merged from 2–3 splits, shorter ones finished in their one).
             for chunk in [0, 32] {
@@ -438,11 +443,7 @@ fn rope_store_and_paged_attention_match_the_cpu() {
                     &pos,
                     &toff,
                     &tables,
-                    emu::Paging {
-                        block_size: c.block_size,
-                        block_stride: c.stride(),
-                        layer_off: c.layer_off(),
-                    },
+                    paging,
                     c.h,
                     &mut got,
                     emu::Kind::F32,
@@ -480,11 +481,7 @@ fn rope_store_and_paged_attention_match_the_cpu() {
                 &pos,
                 &toff,
                 &tables,
-                emu::Paging {
-                    block_size: c.block_size,
-                    block_stride: c.stride(),
-                    layer_off: c.layer_off(),
-                },
+                paging,
                 c.h,
                 &mut flash,
                 emu::Kind::F32,
