@@ -3,14 +3,14 @@
 //! after its chunk lands, and refilled only once that copy is done.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Condvar, Mutex};
+use std::sync::{mpsc, Arc, Mutex};
+
+mod common;
+use common::Done;
 
 use thaw_loader::plan::LoadPlan;
 use thaw_loader::read::load_into;
-use thaw_loader::{
-    AlignedBuf, Checkpoint, CopyEngine, LoadError, LoadOptions, Manifest, StagingRing, Strategy,
-    Verify,
-};
+use thaw_loader::{AlignedBuf, CopyEngine, LoadError, LoadOptions, StagingRing, Strategy, Verify};
 
 /// A fake device: copies run on a worker thread after a short delay (like a copy stream), into
 /// plain vectors. Each copy checks that its source bytes did not change between the request and
@@ -22,8 +22,6 @@ struct FakeGpu {
     overwritten: Arc<AtomicUsize>,
     order: Arc<Mutex<Vec<(usize, u64)>>>,
 }
-
-type Done = Arc<(Mutex<bool>, Condvar)>;
 
 struct Job {
     src: usize,
@@ -66,9 +64,7 @@ impl FakeGpu {
                     .copy_from_slice(src);
                 c.fetch_add(1, Ordering::SeqCst);
                 ord.lock().unwrap().push((j.shard, j.dst));
-                let (m, cv) = &*j.done;
-                *m.lock().unwrap() = true;
-                cv.notify_all();
+                common::signal(&j.done);
             }
         });
         FakeGpu {
@@ -84,11 +80,7 @@ impl FakeGpu {
 impl CopyEngine for FakeGpu {
     type Event = Done;
     fn prepare(&mut self, plan: &LoadPlan) -> Result<(), LoadError> {
-        *self.device.lock().unwrap() = plan
-            .shards
-            .iter()
-            .map(|s| vec![0u8; s.aligned_len as usize])
-            .collect();
+        *self.device.lock().unwrap() = common::device_for(plan);
         Ok(())
     }
     unsafe fn copy(
@@ -98,7 +90,7 @@ impl CopyEngine for FakeGpu {
         shard: usize,
         dst: u64,
     ) -> Result<Done, LoadError> {
-        let done: Done = Arc::new((Mutex::new(false), Condvar::new()));
+        let done = common::done();
         let job = Job {
             src: src as usize,
             len,
@@ -111,11 +103,7 @@ impl CopyEngine for FakeGpu {
         Ok(done)
     }
     fn wait(&self, ev: Done) -> Result<(), LoadError> {
-        let (m, cv) = &*ev;
-        let mut g = m.lock().unwrap();
-        while !*g {
-            g = cv.wait(g).unwrap();
-        }
+        common::wait(&ev);
         Ok(())
     }
 }
@@ -124,40 +112,7 @@ impl CopyEngine for FakeGpu {
 fn staging_ring_reuses_buffers_and_reassembles_every_byte() {
     let d = tempfile::tempdir().unwrap();
     // Two shards of awkward sizes (partial tail chunks), tensors in layer order.
-    let mk = |name: &str, tensors: &[(&str, usize)]| {
-        let mut header = serde_json::Map::new();
-        let mut off = 0usize;
-        for (n, len) in tensors {
-            header.insert(n.to_string(), serde_json::json!({"dtype": "U8", "shape": [len], "data_offsets": [off, off + len]}));
-            off += len;
-        }
-        let h = serde_json::to_string(&header).unwrap();
-        let mut bytes = (h.len() as u64).to_le_bytes().to_vec();
-        bytes.extend(h.as_bytes());
-        bytes.extend((0..off).map(|i| (i * 7 + name.len()) as u8));
-        std::fs::write(d.path().join(name), bytes).unwrap();
-    };
-    mk(
-        "model-00001-of-00002.safetensors",
-        &[
-            ("model.embed_tokens.weight", 300_001),
-            ("model.layers.0.w", 123_457),
-        ],
-    );
-    mk(
-        "model-00002-of-00002.safetensors",
-        &[("model.layers.1.w", 200_003), ("model.norm.weight", 99)],
-    );
-    std::fs::write(
-        d.path().join("model.safetensors.index.json"),
-        r#"{"weight_map":{"model.embed_tokens.weight":"model-00001-of-00002.safetensors","model.layers.0.w":"model-00001-of-00002.safetensors","model.layers.1.w":"model-00002-of-00002.safetensors","model.norm.weight":"model-00002-of-00002.safetensors"}}"#,
-    )
-    .unwrap();
-    let ck = Checkpoint::open(d.path()).unwrap();
-    Manifest::build(&ck, 64 << 10)
-        .unwrap()
-        .write(d.path())
-        .unwrap();
+    let ck = common::two_shards(d.path());
     for strategy in [Strategy::UringDirect, Strategy::Pread] {
         let bufs = vec![AlignedBuf::zeroed(64 << 10), AlignedBuf::zeroed(64 << 10)];
         let mut ring = StagingRing::new(bufs, FakeGpu::new());

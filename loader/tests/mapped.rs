@@ -6,13 +6,14 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Condvar, Mutex};
+use std::sync::{mpsc, Arc, Mutex};
+
+mod common;
+use common::Done;
 
 use thaw_loader::plan::LoadPlan;
 use thaw_loader::PinInPlace;
 use thaw_loader::{copy_mapped, map_shards, Checkpoint, CopyEngine, LoadError, Manifest};
-
-type Done = Arc<(Mutex<bool>, Condvar)>;
 
 /// A queued copy: source, length, shard, destination offset, the pin it reads, its event.
 type CopyJob = (usize, usize, usize, u64, usize, Done);
@@ -50,9 +51,7 @@ impl FakeDevice {
                 if let Some(e) = p.lock().unwrap().live.get_mut(&pin) {
                     e.1 -= 1;
                 }
-                let (m, cv) = &*done;
-                *m.lock().unwrap() = true;
-                cv.notify_all();
+                common::signal(&done);
             }
         });
         FakeDevice {
@@ -68,11 +67,7 @@ impl FakeDevice {
 impl CopyEngine for FakeDevice {
     type Event = Done;
     fn prepare(&mut self, plan: &LoadPlan) -> Result<(), LoadError> {
-        *self.device.lock().unwrap() = plan
-            .shards
-            .iter()
-            .map(|s| vec![0u8; s.aligned_len as usize])
-            .collect();
+        *self.device.lock().unwrap() = common::device_for(plan);
         Ok(())
     }
     unsafe fn copy(
@@ -99,7 +94,7 @@ impl CopyEngine for FakeDevice {
             ));
         };
         pins.live.get_mut(&pin).unwrap().1 += 1;
-        let done: Done = Arc::new((Mutex::new(false), Condvar::new()));
+        let done = common::done();
         self.jobs
             .lock()
             .unwrap()
@@ -108,11 +103,7 @@ impl CopyEngine for FakeDevice {
         Ok(done)
     }
     fn wait(&self, ev: Done) -> Result<(), LoadError> {
-        let (m, cv) = &*ev;
-        let mut g = m.lock().unwrap();
-        while !*g {
-            g = cv.wait(g).unwrap();
-        }
+        common::wait(&ev);
         Ok(())
     }
 }
@@ -150,42 +141,6 @@ impl PinInPlace for FakeDevice {
     }
 }
 
-/// Two shards of awkward sizes (partial last chunks), with a manifest of 64 KiB chunks.
-fn checkpoint(d: &std::path::Path) -> Checkpoint {
-    let mk = |name: &str, tensors: &[(&str, usize)]| {
-        let mut header = serde_json::Map::new();
-        let mut off = 0usize;
-        for (n, len) in tensors {
-            header.insert(n.to_string(), serde_json::json!({"dtype": "U8", "shape": [len], "data_offsets": [off, off + len]}));
-            off += len;
-        }
-        let h = serde_json::to_string(&header).unwrap();
-        let mut bytes = (h.len() as u64).to_le_bytes().to_vec();
-        bytes.extend(h.as_bytes());
-        bytes.extend((0..off).map(|i| (i * 13 + name.len()) as u8));
-        std::fs::write(d.join(name), bytes).unwrap();
-    };
-    mk(
-        "model-00001-of-00002.safetensors",
-        &[
-            ("model.embed_tokens.weight", 300_001),
-            ("model.layers.0.w", 123_457),
-        ],
-    );
-    mk(
-        "model-00002-of-00002.safetensors",
-        &[("model.layers.1.w", 200_003), ("model.norm.weight", 99)],
-    );
-    std::fs::write(
-        d.join("model.safetensors.index.json"),
-        r#"{"weight_map":{"model.embed_tokens.weight":"model-00001-of-00002.safetensors","model.layers.0.w":"model-00001-of-00002.safetensors","model.layers.1.w":"model-00002-of-00002.safetensors","model.norm.weight":"model-00002-of-00002.safetensors"}}"#,
-    )
-    .unwrap();
-    let ck = Checkpoint::open(d).unwrap();
-    Manifest::build(&ck, 64 << 10).unwrap().write(d).unwrap();
-    ck
-}
-
 fn expected(ck: &Checkpoint, plan: &LoadPlan) -> Vec<String> {
     Manifest::read(&ck.dir)
         .unwrap()
@@ -194,10 +149,19 @@ fn expected(ck: &Checkpoint, plan: &LoadPlan) -> Vec<String> {
         .unwrap()
 }
 
+impl FakeDevice {
+    /// Nothing the driver would refuse happened, and nothing is left pinned.
+    fn assert_clean(&self) {
+        let pins = self.pins.lock().unwrap();
+        assert!(pins.violations.is_empty(), "{:?}", pins.violations);
+        assert!(pins.live.is_empty(), "left pinned: {:?}", pins.live);
+    }
+}
+
 #[test]
 fn pinned_in_place_every_byte_arrives_and_nothing_stays_pinned() {
     let d = tempfile::tempdir().unwrap();
-    let ck = checkpoint(d.path());
+    let ck = common::two_shards(d.path());
     let plan = LoadPlan::new(&ck, 64 << 10);
     let want = expected(&ck, &plan);
     let maps = map_shards(&plan).unwrap();
@@ -206,9 +170,8 @@ fn pinned_in_place_every_byte_arrives_and_nothing_stays_pinned() {
         dev.prepare(&plan).unwrap();
         let stats = copy_mapped(&plan, &maps, Some(&want), &dev, threads, depth).unwrap();
         assert_eq!(stats.threads, threads);
+        dev.assert_clean();
         let pins = dev.pins.lock().unwrap();
-        assert!(pins.violations.is_empty(), "{:?}", pins.violations);
-        assert!(pins.live.is_empty(), "left pinned: {:?}", pins.live);
         assert!(
             pins.most <= threads * depth,
             "{} pinned at once > {threads}×{depth}",
@@ -232,7 +195,7 @@ fn pinned_in_place_every_byte_arrives_and_nothing_stays_pinned() {
 #[test]
 fn a_corrupt_chunk_or_a_refused_pin_fails_the_load_and_unpins_everything() {
     let d = tempfile::tempdir().unwrap();
-    let ck = checkpoint(d.path());
+    let ck = common::two_shards(d.path());
     let plan = LoadPlan::new(&ck, 64 << 10);
     let mut want = expected(&ck, &plan);
     let maps = map_shards(&plan).unwrap();
@@ -243,10 +206,7 @@ fn a_corrupt_chunk_or_a_refused_pin_fails_the_load_and_unpins_everything() {
     dev.prepare(&plan).unwrap();
     let e = copy_mapped(&plan, &maps, Some(&want), &dev, 2, 2).unwrap_err();
     assert!(e.to_string().contains("pin refused"), "{e}");
-    let pins = dev.pins.lock().unwrap();
-    assert!(pins.violations.is_empty(), "{:?}", pins.violations);
-    assert!(pins.live.is_empty(), "left pinned: {:?}", pins.live);
-    drop(pins);
+    dev.assert_clean();
 
     // A chunk that does not match the manifest is never copied; the load names it.
     let bad = plan.chunks.len() / 2;
@@ -255,15 +215,13 @@ fn a_corrupt_chunk_or_a_refused_pin_fails_the_load_and_unpins_everything() {
     dev.prepare(&plan).unwrap();
     let e = copy_mapped(&plan, &maps, Some(&want), &dev, 3, 2).unwrap_err();
     assert!(e.to_string().contains("integrity check failed"), "{e}");
-    let pins = dev.pins.lock().unwrap();
-    assert!(pins.violations.is_empty(), "{:?}", pins.violations);
-    assert!(pins.live.is_empty(), "left pinned: {:?}", pins.live);
+    dev.assert_clean();
 }
 
 #[test]
 fn a_file_shorter_than_its_header_is_refused_before_mapping() {
     let d = tempfile::tempdir().unwrap();
-    let ck = checkpoint(d.path());
+    let ck = common::two_shards(d.path());
     let plan = LoadPlan::new(&ck, 64 << 10);
     let f = std::fs::OpenOptions::new()
         .write(true)
