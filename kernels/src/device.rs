@@ -114,6 +114,15 @@ impl Split {
         (chunk, len.div_ceil(chunk))
     }
 
+    /// The kernels' `(chunk, nsplit)` arguments: `(0, 1)` for no split.
+    pub fn kernel_args(&self) -> (i32, i32) {
+        if self.chunk > 0 && self.n > 1 {
+            (self.chunk as i32, self.n as i32)
+        } else {
+            (0, 1)
+        }
+    }
+
     /// f32 elements of the partials buffer for `rows` rows of `n_heads` heads in `n` splits.
     pub fn partial_floats(rows: usize, n_heads: usize, n: usize, head_dim: usize) -> usize {
         rows * n_heads * n * (head_dim + 2)

@@ -353,11 +353,7 @@ impl DeviceOps for Emu {
         if kv_kind == Elem::F16 {
             return Err(EmuError("an f16 KV cache: unsupported".into()));
         }
-        let (chunk, nsplit) = if split.chunk > 0 && split.n > 1 {
-            (split.chunk as i32, split.n as i32)
-        } else {
-            (0, 1)
-        };
+        let (chunk, nsplit) = split.kernel_args();
         // SAFETY: as above; the partials buffer is the caller's, of the planned size.
         unsafe {
             super::thaw_emu_attention(

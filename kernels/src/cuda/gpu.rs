@@ -492,11 +492,7 @@ impl DeviceOps for Gpu {
         split: Split,
     ) -> Result<(), CudaError> {
         let a = AttnArgs::new(kv_kind, paging, shape, out_kind)?;
-        let (chunk, nsplit) = if split.chunk > 0 && split.n > 1 {
-            (split.chunk as i32, split.n as i32)
-        } else {
-            (0, 1)
-        };
+        let (chunk, nsplit) = split.kernel_args();
         let mut b = self.stream.launch_builder(&self.k.attention);
         b.arg(&q)
             .arg(&kc)
