@@ -305,12 +305,13 @@ fn big_model(dir: &PathBuf, a: &GpuArgs, h2d: f64, read_bw: f64) -> Result<Value
     let gemv_default = m.gemv_max_rows();
     let mut dec = vec![];
     // Decode A/B in one run: the matrix-vector kernels (rows ≤ GEMV_MAX_ROWS) vs cuBLAS alone.
-    // "gemv": 4 outputs per block; "gemv-wide" 8 outputs per block (one row); "gemv-unfused"
+    // "gemv": as the model would run them (one row: 16-byte loads, the checkpoint's tensors
+    // being 16-byte aligned on the device); "gemv-8B": one row with 8-byte loads; "gemv-unfused"
     // runs the RMSNorms as kernels of their own instead of folding them into the products;
     // "gemv-persistent" launches only the blocks the device holds at once.
     let modes = [
         (1usize, "gemv"),
-        (1, "gemv-wide"),
+        (1, "gemv-8B"),
         (1, "gemv-unfused"),
         (1, "gemv-persistent"),
         (1, "cuBLAS"),
@@ -330,8 +331,8 @@ fn big_model(dir: &PathBuf, a: &GpuArgs, h2d: f64, read_bw: f64) -> Result<Value
             0
         });
         m.device()
-            .gemv_wide
-            .store(mode == "gemv-wide", std::sync::atomic::Ordering::Relaxed);
+            .gemv_vec16
+            .store(mode != "gemv-8B", std::sync::atomic::Ordering::Relaxed);
         m.set_fused_norm(mode != "gemv-unfused");
         m.device().gemv_persistent.store(
             mode == "gemv-persistent",
@@ -350,8 +351,8 @@ fn big_model(dir: &PathBuf, a: &GpuArgs, h2d: f64, read_bw: f64) -> Result<Value
                         "roofline_tokens_per_s": roof, "fraction_of_roofline": r / roof}));
     }
     m.device()
-        .gemv_wide
-        .store(false, std::sync::atomic::Ordering::Relaxed);
+        .gemv_vec16
+        .store(true, std::sync::atomic::Ordering::Relaxed);
     m.set_fused_norm(true);
     m.device()
         .gemv_persistent

@@ -185,6 +185,15 @@ impl GemvIn {
                 .iter()
                 .all(|o| gemv_fits(o.w, self.x, self.in_dim, self.rows, max_rows))
     }
+
+    /// Whether the product can also take 16-byte loads (the one-row kernel `gemv1v`): rows of
+    /// a multiple of 8 elements, every W, x and the norm's weights 16-byte aligned.
+    pub fn vec16(&self, outs: &[GemvOut]) -> bool {
+        self.in_dim.is_multiple_of(8)
+            && self.x.is_multiple_of(16)
+            && self.norm.is_none_or(|n| n.w.is_multiple_of(16))
+            && outs.iter().all(|o| o.w.is_multiple_of(16))
+    }
 }
 
 /// One matrix of a [`DeviceOps::gemv`] launch: `W [out_dim, in_dim]` at `w`, `y [n, out_dim]`

@@ -533,10 +533,10 @@ fn argmax_rows_picks_the_first_maximum() {
     }
 }
 
-/// The matrix-vector kernels (`gemv`, `gemv1`, `gemv1w`) against the GEMM's definition
+/// The matrix-vector kernels (`gemv`, `gemv1`, `gemv1v`) against the GEMM's definition
 /// (computed in f64) for f32 and bf16 weights; one matrix and three sharing x in one launch (the
 /// last group of outputs of each partial); widths below, past and not multiples of a block's
-/// stride (4 elements a thread); 1..=8 rows; beta 0 (y never read: it starts NaN) and beta 1
+/// stride (4 elements a thread, 8 with 16-byte loads: 1028 is refused by those); 1..=8 rows; beta 0 (y never read: it starts NaN) and beta 1
 /// (accumulate into the residual); with the RMSNorm folded in (x the f32 residual) against
 /// the norm then the product (the norm rounded to W's kind as the `rmsnorm` kernel stores it);
 /// and what they refuse.
@@ -546,7 +546,7 @@ fn gemv_matches_the_gemm_for_decode_rows() {
     use thaw_kernels::device::{
         gemv_fits, DeviceBuf, DeviceOps, Elem, GemvIn, GemvNorm, GemvOut, GEMV_MAX_ROWS,
     };
-    let dev = Emu;
+    let dev = Emu::new();
     let mut r = Rng(77);
     let eps = 1e-5f32;
     for kind in [Elem::F32, Elem::Bf16] {
@@ -580,7 +580,7 @@ fn gemv_matches_the_gemm_for_decode_rows() {
                     .collect(),
             }
         };
-        for in_dim in [64usize, 1028] {
+        for in_dim in [64usize, 1028, 1032] {
             let dims = [29usize, 5, 22];
             // (Small enough that the emulator runs the kernel, not the GEMM's definition.)
             assert!(dims.iter().sum::<usize>() * in_dim <= emu::device::EMU_GEMV_MAX_ELEMS);
@@ -601,8 +601,11 @@ fn gemv_matches_the_gemm_for_decode_rows() {
                 (GemvKernel::Rows, 3),
                 (GemvKernel::Rows, GEMV_MAX_ROWS),
                 (GemvKernel::One, 1),
-                (GemvKernel::OneWide, 1),
+                (GemvKernel::OneVec16, 1),
             ] {
+                if kernel == GemvKernel::OneVec16 && in_dim % 8 != 0 {
+                    continue; // refused: below
+                }
                 let xf = r.vec(rows * in_dim);
                 for (group, beta, norm) in [
                     (1usize, 0.0f32, false),
@@ -753,4 +756,38 @@ fn gemv_matches_the_gemm_for_decode_rows() {
             0.0
         )
         .is_err());
+    // 16-byte loads: W, x and the norm's weights 16-byte aligned, rows a multiple of 8 elements
+    // (the emulator aborts on a misaligned vector load, as a GPU faults: these must be refused
+    // before any launch). 8-byte aligned operands still take the 8-byte kernel.
+    let x16 = x(1, Elem::F32, true);
+    assert!(x16.vec16(&[o(a)]));
+    assert!(!x16.vec16(&[o(a + 8)]));
+    assert!(!GemvIn { x: a + 8, ..x16 }.vec16(&[o(a)]));
+    assert!(!GemvIn {
+        norm: Some(GemvNorm { w: a + 8, eps }),
+        ..x16
+    }
+    .vec16(&[o(a)]));
+    assert!(!GemvIn { in_dim: 68, ..x16 }.vec16(&[o(a)]));
+    let plain = x(1, Elem::F32, false);
+    assert!(dev
+        .gemv_kernel(GemvKernel::OneVec16, Elem::F32, &[o(a + 8)], &plain, 0.0)
+        .is_err());
+    // (Live buffers for a launch: W 8 bytes into its allocation, x and y their own.)
+    let (wb, xb, yb) = (
+        dev.alloc(8 + 4 * 64 * 4).unwrap(),
+        dev.alloc(64 * 4).unwrap(),
+        dev.alloc(4 * 4).unwrap(),
+    );
+    let off8 = GemvOut {
+        w: wb.ptr() + 8,
+        out_dim: 4,
+        y: yb.ptr(),
+    };
+    let xin = GemvIn {
+        x: xb.ptr(),
+        ..plain
+    };
+    assert!(!xin.vec16(&[off8]));
+    dev.gemv(Elem::F32, &[off8], &xin, 0.0).unwrap();
 }

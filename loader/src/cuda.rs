@@ -83,7 +83,7 @@ impl CudaCopy {
         })
     }
 
-    /// The device allocations, one per shard, `aligned_len` bytes each.
+    /// The device allocations, one per shard, `device_len()` bytes each.
     pub fn into_shards(self) -> Vec<CudaSlice<u8>> {
         self.shards.into_inner().unwrap_or_else(|e| e.into_inner())
     }
@@ -96,7 +96,7 @@ impl CopyEngine for CudaCopy {
         let mut v = Vec::with_capacity(plan.shards.len());
         for s in &plan.shards {
             // SAFETY: every byte of the data range is written by the load before it is used.
-            v.push(unsafe { self.stream.alloc::<u8>(s.aligned_len as usize) }.map_err(cuda_err)?);
+            v.push(unsafe { self.stream.alloc::<u8>(s.device_len() as usize) }.map_err(cuda_err)?);
         }
         *self.shards.lock().unwrap_or_else(|e| e.into_inner()) = v;
         Ok(())
@@ -159,7 +159,8 @@ impl PinInPlace for CudaCopy {
 }
 
 /// A checkpoint in device memory: one allocation per shard (tensor `e` of shard `s` starts at
-/// `plan.shards[s].data_offset() + e.info.begin`), and how the load went.
+/// `plan.shards[s].device_data_offset() + e.info.begin`, on a [`crate::plan::DEVICE_ALIGN`]
+/// boundary plus the tensor's offset), and how the load went.
 pub struct DeviceLoad {
     pub plan: LoadPlan,
     pub stats: LoadStats,

@@ -122,7 +122,6 @@ pub fn copy_mapped<E: PinInPlace>(
                 break;
             }
             let c = &plan.chunks[i];
-            let s = &plan.shards[c.shard];
             let map = &maps[c.shard];
             let start = c.file_off as usize;
             // The chunk's bytes (its last may end at the end of the file), and the whole pages
@@ -150,7 +149,7 @@ pub fn copy_mapped<E: PinInPlace>(
                 add(&pin_ns, t);
                 // SAFETY: the pinned range holds `len` bytes that stay put (a read-only mapping)
                 // until the copy's event has been waited for in `retire`.
-                match unsafe { engine.copy(ptr, len, c.shard, c.file_off - s.aligned_start) } {
+                match unsafe { engine.copy(ptr, len, c.shard, c.device_off(plan)) } {
                     Ok(ev) => {
                         pinned.push_back(Pinned {
                             ptr: ptr as usize,

@@ -15,6 +15,13 @@ use crate::Checkpoint;
 /// O_DIRECT alignment for file offsets, lengths and buffers.
 pub const BLOCK: u64 = 4096;
 
+/// Where a device arena puts each shard's data section: on a multiple of this. A safetensors
+/// header ends wherever its JSON does (8-byte padded at best), so mirroring the file's alignment
+/// would leave every tensor of half the checkpoints off 16-byte boundaries, and the GPU's
+/// widest loads (16 bytes) would be unusable on them. A host arena mirrors the file exactly
+/// (O_DIRECT reads land in it); device copies come from staging buffers and may land anywhere.
+pub const DEVICE_ALIGN: u64 = 256;
+
 #[derive(Debug, Clone)]
 pub struct ShardPlan {
     pub path: PathBuf,
@@ -31,6 +38,23 @@ impl ShardPlan {
     /// Offset of the data section inside this shard's arena.
     pub fn data_offset(&self) -> u64 {
         self.data_start - self.aligned_start
+    }
+
+    /// Bytes a device arena leaves in front of the mirrored range, so that the data section
+    /// starts on a [`DEVICE_ALIGN`] boundary.
+    pub fn device_lead(&self) -> u64 {
+        (DEVICE_ALIGN - self.data_offset() % DEVICE_ALIGN) % DEVICE_ALIGN
+    }
+
+    /// Size of this shard's device arena.
+    pub fn device_len(&self) -> u64 {
+        self.device_lead() + self.aligned_len
+    }
+
+    /// Offset of the data section inside this shard's device arena (a multiple of
+    /// [`DEVICE_ALIGN`]).
+    pub fn device_data_offset(&self) -> u64 {
+        self.device_lead() + self.data_offset()
     }
 }
 
@@ -51,6 +75,11 @@ impl Chunk {
     /// Offset of this chunk inside its shard's arena.
     pub fn arena_off(&self, plan: &LoadPlan) -> u64 {
         self.file_off - plan.shards[self.shard].aligned_start
+    }
+
+    /// Offset of this chunk inside its shard's device arena.
+    pub fn device_off(&self, plan: &LoadPlan) -> u64 {
+        self.arena_off(plan) + plan.shards[self.shard].device_lead()
     }
 }
 

@@ -41,7 +41,7 @@ impl StagingBuf for crate::AlignedBuf {
 pub trait CopyEngine: Sync {
     /// Completes when a copy is done.
     type Event: Send;
-    /// Allocates device memory for the plan (one region per shard, `aligned_len` bytes).
+    /// Allocates device memory for the plan (one region per shard, `device_len()` bytes).
     fn prepare(&mut self, plan: &LoadPlan) -> Result<(), LoadError>;
     /// Queues a copy of `len` bytes at `src` to offset `dst` of shard `shard`'s device region.
     ///
@@ -69,7 +69,8 @@ pub struct StagingRing<B: StagingBuf, E: CopyEngine> {
     bufs: Vec<B>,
     engine: E,
     ring: Mutex<Ring<E::Event>>,
-    aligned_start: Vec<u64>,
+    /// Per shard: the file offset its arena mirrors from, and the device arena's lead.
+    origin: Vec<(u64, u64)>,
     /// Time readers and `finish` spent waiting for copies (the copy work reads did not hide).
     waited_ns: AtomicU64,
 }
@@ -84,7 +85,7 @@ impl<B: StagingBuf, E: CopyEngine> StagingRing<B, E> {
                 free,
                 held: HashMap::new(),
             }),
-            aligned_start: vec![],
+            origin: vec![],
             waited_ns: AtomicU64::new(0),
         }
     }
@@ -137,7 +138,11 @@ impl<B: StagingBuf, E: CopyEngine> Destination for StagingRing<B, E> {
                 small.len()
             )));
         }
-        self.aligned_start = plan.shards.iter().map(|s| s.aligned_start).collect();
+        self.origin = plan
+            .shards
+            .iter()
+            .map(|s| (s.aligned_start, s.device_lead()))
+            .collect();
         self.engine.prepare(plan)
     }
 
@@ -169,9 +174,10 @@ impl<B: StagingBuf, E: CopyEngine> Destination for StagingRing<B, E> {
             .held
             .remove(&i)
             .ok_or_else(|| err(format!("chunk {i} landed without a region")))?;
-        let dst = c.file_off - self.aligned_start[c.shard];
-        // SAFETY: buffer `b` holds `len` landed bytes (len ≤ its size, checked in prepare) and
-        // is not handed out again before this copy's event has been waited on.
+        let (start, lead) = self.origin[c.shard];
+        let dst = lead + c.file_off - start; // = c.device_off(plan)
+                                             // SAFETY: buffer `b` holds `len` landed bytes (len ≤ its size, checked in prepare) and
+                                             // is not handed out again before this copy's event has been waited on.
         let ev = unsafe {
             self.engine
                 .copy(self.bufs[b].ptr(), len as usize, c.shard, dst)?

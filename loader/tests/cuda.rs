@@ -70,7 +70,8 @@ fn checkpoint_reaches_device_memory_intact() {
         let back = stream.clone_dtoh(&l.shards[0]).unwrap();
         let s = &l.plan.shards[0];
         let data = &bytes[s.data_start as usize..(s.data_start + s.data_len) as usize];
-        let off = s.data_offset() as usize;
+        let off = s.device_data_offset() as usize;
+        assert_eq!(off as u64 % thaw_loader::plan::DEVICE_ALIGN, 0);
         assert_eq!(&back[off..off + data.len()], data, "{strategy:?}");
     }
 }

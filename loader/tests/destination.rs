@@ -135,17 +135,7 @@ fn staging_ring_reuses_buffers_and_reassembles_every_byte() {
             "{strategy:?}: a buffer was refilled while its copy was pending"
         );
         // Every tensor's bytes arrived at its place on the "device" (partial tails included).
-        let device = gpu.device.lock().unwrap();
-        for (si, s) in plan.shards.iter().enumerate() {
-            let file = std::fs::read(&s.path).unwrap();
-            let data = &file[s.data_start as usize..(s.data_start + s.data_len) as usize];
-            let off = s.data_offset() as usize;
-            assert_eq!(
-                &device[si][off..off + data.len()],
-                data,
-                "{strategy:?} shard {si}"
-            );
-        }
+        common::assert_on_device(&plan, &gpu.device.lock().unwrap(), &format!("{strategy:?}"));
         // Copies were issued in the order chunks landed; with io_uring the first is layer 0's.
         let order = gpu.order.lock().unwrap();
         assert_eq!(order.len(), plan.chunks.len());
@@ -153,7 +143,7 @@ fn staging_ring_reuses_buffers_and_reassembles_every_byte() {
             let first = plan
                 .chunks
                 .iter()
-                .find(|c| (c.shard, c.file_off - plan.shards[c.shard].aligned_start) == order[0])
+                .find(|c| (c.shard, c.device_off(&plan)) == order[0])
                 .unwrap();
             assert_eq!(first.layer, 0);
         }

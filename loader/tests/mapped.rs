@@ -178,17 +178,8 @@ fn pinned_in_place_every_byte_arrives_and_nothing_stays_pinned() {
             pins.most
         );
         assert_eq!(dev.pinned_total.load(Ordering::SeqCst), plan.chunks.len());
-        let device = dev.device.lock().unwrap();
-        for (si, s) in plan.shards.iter().enumerate() {
-            let file = std::fs::read(&s.path).unwrap();
-            let data = &file[s.data_start as usize..(s.data_start + s.data_len) as usize];
-            let off = s.data_offset() as usize;
-            assert_eq!(
-                &device[si][off..off + data.len()],
-                data,
-                "shard {si}, {threads}×{depth}"
-            );
-        }
+        let what = format!("{threads}×{depth}");
+        common::assert_on_device(&plan, &dev.device.lock().unwrap(), &what);
     }
 }
 

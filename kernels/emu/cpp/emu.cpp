@@ -112,7 +112,7 @@ void thaw_emu_gemv(int which, unsigned grid, unsigned block, const void* w0, con
         if (which == 1)
             gemv1(w0, w1, w2, y0, y1, y2, n0, n1, n2, w_kind, x, rows, K, norm, eps, beta);
         else if (which == 2)
-            gemv1w(w0, w1, w2, y0, y1, y2, n0, n1, n2, w_kind, x, rows, K, norm, eps, beta);
+            gemv1v(w0, w1, w2, y0, y1, y2, n0, n1, n2, w_kind, x, rows, K, norm, eps, beta);
         else
             gemv(w0, w1, w2, y0, y1, y2, n0, n1, n2, w_kind, x, rows, K, norm, eps, beta);
     });

@@ -4,6 +4,8 @@
 #pragma once
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define THAW_CUDA_EMU 1
@@ -28,9 +30,21 @@ struct float4 {
 struct float2 {
     float x, y;
 };
-struct uint2 {
+struct alignas(8) uint2 {
     unsigned x, y;
 };
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
+
+// A GPU faults on a vector load off its size's boundary ("misaligned address"); the emulator
+// aborts, so a test catches what the GPU would.
+inline void emu_check_align(const void* p, unsigned bytes) {
+    if ((uintptr_t)p % bytes != 0) {
+        fprintf(stderr, "thaw emulator: misaligned %u-byte load at %p\n", bytes, p);
+        abort();
+    }
+}
 inline float4 make_float4(float a, float b, float c, float d) { return float4{a, b, c, d}; }
 
 inline float __uint_as_float(unsigned u) {

@@ -9,9 +9,15 @@ use thaw_kernels::device::{
 
 /// Host memory standing in for a device allocation (8-byte aligned, zeroed).
 pub struct EmuBuf {
-    mem: Vec<u64>,
+    mem: Vec<Granule>,
     len: usize,
 }
+
+/// The emulated allocator's unit: 256-byte aligned, as `cuMemAlloc`'s allocations are, so
+/// alignment checks (16-byte loads) pass or fail here as they would on a GPU.
+#[derive(Clone, Copy)]
+#[repr(C, align(256))]
+struct Granule([u8; 256]);
 
 impl DeviceBuf for EmuBuf {
     fn ptr(&self) -> u64 {
@@ -33,23 +39,37 @@ impl std::fmt::Display for EmuError {
 impl std::error::Error for EmuError {}
 
 /// The emulated device.
-pub struct Emu;
+#[derive(Default)]
+pub struct Emu {
+    /// Launches of each matrix-vector kernel ([`GemvKernel`] order) that ran the kernel itself.
+    gemv_runs: [std::sync::atomic::AtomicU64; 3],
+}
 
 /// Largest weight matrix (elements) the emulator runs through the `gemv` kernel itself.
 pub const EMU_GEMV_MAX_ELEMS: usize = 1 << 16;
 
-/// The matrix-vector kernels of gemv.cu (the GPU picks by rows and `Gpu::gemv_wide`).
+/// The matrix-vector kernels of gemv.cu (the GPU picks by rows and alignment, as
+/// [`Emu`]'s `gemv` does).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GemvKernel {
     /// `gemv`: 1..=8 rows, 4 outputs per block.
     Rows,
     /// `gemv1`: one row, 4 outputs per block.
     One,
-    /// `gemv1w`: one row, 8 outputs per block.
-    OneWide,
+    /// `gemv1v`: one row, 4 outputs per block, 16-byte loads ([`GemvIn::vec16`] products).
+    OneVec16,
 }
 
 impl Emu {
+    pub fn new() -> Emu {
+        Emu::default()
+    }
+
+    /// How many launches ran `kernel` itself (not the GEMM's definition, which the emulator
+    /// takes for large products): tests check which kernel a model's products took.
+    pub fn gemv_runs(&self, kernel: GemvKernel) -> u64 {
+        self.gemv_runs[kernel as usize].load(std::sync::atomic::Ordering::Relaxed)
+    }
     /// [`DeviceOps::gemv`] through a chosen kernel.
     #[allow(clippy::too_many_arguments)]
     pub fn gemv_kernel(
@@ -66,7 +86,7 @@ impl Emu {
         } else {
             1
         };
-        if !x.fits(w_kind, outs, rows_max) {
+        if !x.fits(w_kind, outs, rows_max) || (kernel == GemvKernel::OneVec16 && !x.vec16(outs)) {
             return Err(EmuError(format!(
                 "gemv of {} rows of {} into {} matrices: unsupported",
                 x.rows,
@@ -103,10 +123,11 @@ impl Emu {
             })
         };
         let (a, b, c) = (at(0), at(1), at(2));
+        self.gemv_runs[kernel as usize].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let which = match kernel {
             GemvKernel::Rows => 0,
             GemvKernel::One => 1,
-            GemvKernel::OneWide => 2,
+            GemvKernel::OneVec16 => 2,
         };
         // A small grid of small blocks (the kernel strides its output groups over the grid):
         // every emulated thread is an OS thread.
@@ -163,7 +184,7 @@ impl DeviceOps for Emu {
 
     fn alloc(&self, bytes: usize) -> Result<EmuBuf, EmuError> {
         Ok(EmuBuf {
-            mem: vec![0u64; bytes.div_ceil(8).max(1)],
+            mem: vec![Granule([0; 256]); bytes.div_ceil(256).max(1)],
             len: bytes,
         })
     }
@@ -492,7 +513,10 @@ impl DeviceOps for Emu {
         Ok(())
     }
     fn gemv(&self, w_kind: Elem, outs: &[GemvOut], x: &GemvIn, beta: f32) -> Result<(), EmuError> {
-        let kernel = if x.rows == 1 {
+        // As the GPU picks (`Gpu::gemv_vec16` on, its default).
+        let kernel = if x.rows == 1 && x.vec16(outs) {
+            GemvKernel::OneVec16
+        } else if x.rows == 1 {
             GemvKernel::One
         } else {
             GemvKernel::Rows

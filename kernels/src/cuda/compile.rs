@@ -39,7 +39,7 @@ pub const KERNELS: &[&str] = &[
     "argmax_rows",
     "gemv",
     "gemv1",
-    "gemv1w",
+    "gemv1v",
     "read_probe",
 ];
 

@@ -10,14 +10,57 @@ __device__ __forceinline__ uint2 load8(const void* p) {
         asm("ld.global.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
         return v;
     }
+#else
+    emu_check_align(p, 8);
 #endif
     return *(const uint2*)p;
 }
 
-// Four consecutive elements of kind KIND from element `i` (8-byte aligned for 16-bit kinds, two
-// 8-byte loads for f32) as f32.
-template <int KIND, bool STREAM>
-__device__ __forceinline__ void load4(const void* p, i64 i, float* out) {
+// 16 bytes at `p` (16-byte aligned), likewise.
+template <bool STREAM>
+__device__ __forceinline__ uint4 load16(const void* p) {
+#ifndef THAW_CUDA_EMU
+    if (STREAM) {
+        uint4 v;
+        asm("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+            : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+            : "l"(p));
+        return v;
+    }
+#else
+    emu_check_align(p, 16);
+#endif
+    return *(const uint4*)p;
+}
+
+// The two 16-bit elements of `v` (low first) as f32.
+template <int KIND>
+__device__ __forceinline__ void unpack2(unsigned v, float* out) {
+    const u16 lo = (u16)(v & 0xffffu), hi = (u16)(v >> 16);
+    out[0] = KIND == 1 ? bf16_to_f32(lo) : f16_to_f32(lo);
+    out[1] = KIND == 1 ? bf16_to_f32(hi) : f16_to_f32(hi);
+}
+
+// VEC (4 or 8) consecutive elements of kind KIND from element `i`, as f32. VEC = 4: one 8-byte
+// load of 16-bit elements or two of f32 (8-byte aligned); VEC = 8: one 16-byte load of 16-bit
+// elements or two of f32 (16-byte aligned) — the widest load a thread can issue, so half the
+// load instructions for the same bytes in flight.
+template <int KIND, int VEC, bool STREAM>
+__device__ __forceinline__ void loadv(const void* p, i64 i, float* out) {
+    if (VEC == 8) {
+        if (KIND == 0) {
+            uint4 a = load16<STREAM>((const float*)p + i), b = load16<STREAM>((const float*)p + i + 4);
+            out[0] = __uint_as_float(a.x); out[1] = __uint_as_float(a.y);
+            out[2] = __uint_as_float(a.z); out[3] = __uint_as_float(a.w);
+            out[4] = __uint_as_float(b.x); out[5] = __uint_as_float(b.y);
+            out[6] = __uint_as_float(b.z); out[7] = __uint_as_float(b.w);
+            return;
+        }
+        uint4 v = load16<STREAM>((const u16*)p + i);
+        unpack2<KIND>(v.x, out); unpack2<KIND>(v.y, out + 2);
+        unpack2<KIND>(v.z, out + 4); unpack2<KIND>(v.w, out + 6);
+        return;
+    }
     if (KIND == 0) {
         uint2 a = load8<STREAM>((const float*)p + i), b = load8<STREAM>((const float*)p + i + 2);
         out[0] = __uint_as_float(a.x); out[1] = __uint_as_float(a.y);
@@ -25,9 +68,7 @@ __device__ __forceinline__ void load4(const void* p, i64 i, float* out) {
         return;
     }
     uint2 v = load8<STREAM>((const u16*)p + i);
-    u16 h[4] = {(u16)(v.x & 0xffffu), (u16)(v.x >> 16), (u16)(v.y & 0xffffu), (u16)(v.y >> 16)};
-    #pragma unroll
-    for (int j = 0; j < 4; j++) out[j] = KIND == 1 ? bf16_to_f32(h[j]) : f16_to_f32(h[j]);
+    unpack2<KIND>(v.x, out); unpack2<KIND>(v.y, out + 2);
 }
 
 // `v` rounded to kind KIND and back (what storing it as that kind and loading it gives).
@@ -45,14 +86,16 @@ __device__ __forceinline__ float round_to(float v) {
 //
 // A decode step reads every weight once; a GEMM library tiles a one-row product over too few
 // blocks to keep HBM busy. Here a block owns OUTS consecutive outputs of one matrix and splits
-// K over all its threads: each thread reads 4 elements of each of the OUTS rows per step (a
-// warp's loads of one row are 256 contiguous bytes; weights bypass L1, read once by one
-// thread), multiplies them by the same 4 elements of x (read once per block, not once per
+// K over all its threads: each thread reads VEC elements of each of the OUTS rows per step (a
+// warp's loads of one row are 32·VEC contiguous elements; weights bypass L1, read once by one
+// thread), multiplies them by the same VEC elements of x (read once per block, not once per
 // output), and the block reduces its partial sums through shared memory. Kinds are template
 // parameters (the entry points dispatch once), so the loads of two steps — 2·OUTS weight loads
 // and the x loads — are all in flight before the first multiply (checked in the SASS,
 // `scripts/kernel-report.sh gemv1`): a kind chosen per load at run time put each load in a branch
-// of its own. K a multiple of 4, W and x 8-byte aligned (the caller checks). Output groups beyond
+// of its own. K a multiple of VEC; W, x and the norm's weights 8-byte aligned for VEC = 4,
+// 16-byte for VEC = 8 (the caller checks; the loader puts data sections on 256-byte device
+// boundaries, so a checkpoint's tensors are 16-byte aligned wherever their offsets are). Output groups beyond
 // the grid are strided over it: the emulator runs a small grid, and a GPU launch has either a
 // block per group or (`Gpu::gemv_persistent`) as many blocks as fit on the device at once, each
 // computing the norm's scale once for all its groups.
@@ -64,7 +107,7 @@ __device__ __forceinline__ float round_to(float v) {
 // the product, without a kernel of their own or a round trip through memory.
 #define GEMV_MAX_ROWS 8
 #define GEMV_MAX_WARPS 8
-#define GEMV_STEPS 2  // 4-element steps per thread per pass
+#define GEMV_STEPS 2  // VEC-element steps per thread per pass
 
 #define GEMV_ARGS                                                                               \
     const void *w0, const void *w1, const void *w2, float *y0, float *y1, float *y2, int n0,     \
@@ -73,12 +116,12 @@ __device__ __forceinline__ float round_to(float v) {
 
 // (The three matrices are picked by selects, not an array indexed at run time: that would put
 // the array in local memory.)
-template <int ROWS, int OUTS, int WK, bool NORM>
+template <int ROWS, int OUTS, int WK, bool NORM, int VEC>
 __device__ __forceinline__ void gemv_body(GEMV_ARGS, float (*red)[OUTS * ROWS + ROWS]) {
     constexpr int XK = NORM ? 0 : WK;  // x's kind: the f32 residual under a norm
     (void)w_kind;                      // = WK (the entry point dispatched on it)
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5, nwarps = blockDim.x >> 5;
-    const int groups = K >> 2;
+    const int groups = K / VEC;
     const int b0 = (n0 + OUTS - 1) / OUTS, b1 = (n1 + OUTS - 1) / OUTS;
     const int total = b0 + b1 + (n2 + OUTS - 1) / OUTS;
     // The norm's scale per row, once per block (every output group of the block shares x).
@@ -93,9 +136,10 @@ __device__ __forceinline__ void gemv_body(GEMV_ARGS, float (*red)[OUTS * ROWS + 
             #pragma unroll
             for (int r = 0; r < ROWS; r++) {
                 if (r >= rows) break;
-                float xv[4];
-                load4<0, false>(x, (i64)r * K + 4 * (i64)g, xv);
-                ss[r] += xv[0] * xv[0] + xv[1] * xv[1] + xv[2] * xv[2] + xv[3] * xv[3];
+                float xv[VEC];
+                loadv<0, VEC, false>(x, (i64)r * K + VEC * (i64)g, xv);
+                #pragma unroll
+                for (int i = 0; i < VEC; i++) ss[r] += xv[i] * xv[i];
             }
         }
         #pragma unroll
@@ -138,36 +182,37 @@ __device__ __forceinline__ void gemv_body(GEMV_ARGS, float (*red)[OUTS * ROWS + 
                 ok[u] = g < groups;
                 gs[u] = ok[u] ? g : g0;
             }
-            float wv[GEMV_STEPS][OUTS][4], nv[GEMV_STEPS][4];
+            float wv[GEMV_STEPS][OUTS][VEC], nv[GEMV_STEPS][VEC];
             #pragma unroll
             for (int u = 0; u < GEMV_STEPS; u++) {
                 #pragma unroll
                 for (int o = 0; o < OUTS; o++) {
                     // A last block's missing rows read row o0 again (in bounds), not stored.
                     const int row = o0 + (o < outs ? o : 0);
-                    load4<WK, true>(w, (i64)row * K + 4 * (i64)gs[u], wv[u][o]);
+                    loadv<WK, VEC, true>(w, (i64)row * K + VEC * (i64)gs[u], wv[u][o]);
                 }
-                if (NORM) load4<0, false>(norm, 4 * (i64)gs[u], nv[u]);
+                if (NORM) loadv<0, VEC, false>(norm, VEC * (i64)gs[u], nv[u]);
             }
             #pragma unroll
             for (int r = 0; r < ROWS; r++) {
                 if (r >= rows) break;
-                float xv[GEMV_STEPS][4];
+                float xv[GEMV_STEPS][VEC];
                 #pragma unroll
                 for (int u = 0; u < GEMV_STEPS; u++)
-                    load4<XK, false>(x, (i64)r * K + 4 * (i64)gs[u], xv[u]);
+                    loadv<XK, VEC, false>(x, (i64)r * K + VEC * (i64)gs[u], xv[u]);
                 #pragma unroll
                 for (int u = 0; u < GEMV_STEPS; u++) {
                     if (!ok[u]) continue;
                     if (NORM) {
                         #pragma unroll
-                        for (int i = 0; i < 4; i++)
+                        for (int i = 0; i < VEC; i++)
                             xv[u][i] = round_to<WK>(xv[u][i] * scale[r] * nv[u][i]);
                     }
                     #pragma unroll
-                    for (int o = 0; o < OUTS; o++)
-                        acc[o][r] += wv[u][o][0] * xv[u][0] + wv[u][o][1] * xv[u][1] +
-                                     wv[u][o][2] * xv[u][2] + wv[u][o][3] * xv[u][3];
+                    for (int o = 0; o < OUTS; o++) {
+                        #pragma unroll
+                        for (int i = 0; i < VEC; i++) acc[o][r] += wv[u][o][i] * xv[u][i];
+                    }
                 }
             }
         }
@@ -193,24 +238,24 @@ __device__ __forceinline__ void gemv_body(GEMV_ARGS, float (*red)[OUTS * ROWS + 
     }
 }
 
-#define GEMV_BODY(ROWS, OUTS, WK, NORM)                                                         \
-    gemv_body<ROWS, OUTS, WK, NORM>(w0, w1, w2, y0, y1, y2, n0, n1, n2, w_kind, x, rows, K,      \
-                                    norm, eps, beta, red)
+#define GEMV_BODY(ROWS, OUTS, WK, NORM, VEC)                                                    \
+    gemv_body<ROWS, OUTS, WK, NORM, VEC>(w0, w1, w2, y0, y1, y2, n0, n1, n2, w_kind, x, rows, K, \
+                                         norm, eps, beta, red)
 // Weights in f32 or bf16 (the host sends f16 weights to cuBLAS): each instantiation adds to
 // NVRTC's compile.
-#define GEMV_CALL(ROWS, OUTS)                                                                   \
+#define GEMV_CALL(ROWS, OUTS, VEC)                                                              \
     __shared__ float red[GEMV_MAX_WARPS][(OUTS) * (ROWS) + (ROWS)];                              \
     if (norm) {                                                                                  \
-        if (w_kind == 1) GEMV_BODY(ROWS, OUTS, 1, true);                                         \
-        else GEMV_BODY(ROWS, OUTS, 0, true);                                                     \
+        if (w_kind == 1) GEMV_BODY(ROWS, OUTS, 1, true, VEC);                                    \
+        else GEMV_BODY(ROWS, OUTS, 0, true, VEC);                                                \
     } else {                                                                                     \
-        if (w_kind == 1) GEMV_BODY(ROWS, OUTS, 1, false);                                        \
-        else GEMV_BODY(ROWS, OUTS, 0, false);                                                    \
+        if (w_kind == 1) GEMV_BODY(ROWS, OUTS, 1, false, VEC);                                   \
+        else GEMV_BODY(ROWS, OUTS, 0, false, VEC);                                               \
     }
 
 // Batch rows 2..=8 (registers for 8 rows), one row (the decode that matters: fewer registers,
-// more blocks resident), one row with 8 outputs per block (twice the loads in flight per
-// thread; `Gpu::gemv_wide` picks between the two one-row forms).
-KERNEL void gemv(GEMV_ARGS) { GEMV_CALL(GEMV_MAX_ROWS, 4) }
-KERNEL void gemv1(GEMV_ARGS) { GEMV_CALL(1, 4) }
-KERNEL void gemv1w(GEMV_ARGS) { GEMV_CALL(1, 8) }
+// more blocks resident), one row with 16-byte loads (twice the bytes in flight per thread for
+// the same load instructions; `Gpu::gemv_vec16` picks it where the product is 16-byte aligned).
+KERNEL void gemv(GEMV_ARGS) { GEMV_CALL(GEMV_MAX_ROWS, 4, 4) }
+KERNEL void gemv1(GEMV_ARGS) { GEMV_CALL(1, 4, 4) }
+KERNEL void gemv1v(GEMV_ARGS) { GEMV_CALL(1, 4, 8) }

@@ -83,17 +83,18 @@ struct Kernels {
     argmax_rows: CudaFunction,
     gemv: CudaFunction,
     gemv1: CudaFunction,
-    gemv1w: CudaFunction,
+    gemv1v: CudaFunction,
     read_probe: CudaFunction,
 }
 
 pub struct Gpu {
-    /// One-row `gemv` with 8 outputs per block (`gemv1w`) instead of 4 (`gemv1`).
-    pub gemv_wide: std::sync::atomic::AtomicBool,
+    /// One-row products take 16-byte loads (`gemv1v`) where they are 16-byte aligned (default;
+    /// off: 8-byte loads, `gemv1`, for A/B measurements).
+    pub gemv_vec16: std::sync::atomic::AtomicBool,
     /// `gemv` launches only as many blocks as the device holds at once (each strides over
     /// output groups, computing a folded norm once) instead of one block per group.
     pub gemv_persistent: std::sync::atomic::AtomicBool,
-    /// Blocks of 256 threads of `gemv`, `gemv1`, `gemv1w` the device holds at once.
+    /// Blocks of 256 threads of `gemv`, `gemv1`, `gemv1v` the device holds at once.
     gemv_resident: [u32; 3],
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
@@ -167,7 +168,7 @@ impl Gpu {
             argmax_rows: f("argmax_rows")?,
             gemv: f("gemv")?,
             gemv1: f("gemv1")?,
-            gemv1w: f("gemv1w")?,
+            gemv1v: f("gemv1v")?,
             read_probe: f("read_probe")?,
         };
         // SAFETY: only probes whether the library can be opened (cudarc panics on a call into a
@@ -187,10 +188,10 @@ impl Gpu {
                 .unwrap_or(1);
             per_sm.max(1) * info.sm_count as u32
         };
-        let gemv_resident = [resident(&k.gemv), resident(&k.gemv1), resident(&k.gemv1w)];
+        let gemv_resident = [resident(&k.gemv), resident(&k.gemv1), resident(&k.gemv1v)];
         let module_s = t.elapsed().as_secs_f64();
         Ok(Gpu {
-            gemv_wide: std::sync::atomic::AtomicBool::new(false),
+            gemv_vec16: std::sync::atomic::AtomicBool::new(true),
             gemv_persistent: std::sync::atomic::AtomicBool::new(false),
             gemv_resident,
             ctx,
@@ -622,7 +623,7 @@ impl DeviceOps for Gpu {
         }
         .map_err(drv)
     }
-    /// A block of 256 threads per 4 (or 8) outputs, up to three matrices per launch.
+    /// A block of 256 threads per 4 outputs, up to three matrices per launch.
     fn gemv(
         &self,
         w_kind: Elem,
@@ -641,12 +642,13 @@ impl DeviceOps for Gpu {
             )));
         }
         let n = x.rows;
-        let wide = n == 1 && self.gemv_wide.load(Relaxed);
-        let (f, per_block, resident) = match (n, wide) {
-            (1, true) => (&self.k.gemv1w, 8, self.gemv_resident[2]),
-            (1, false) => (&self.k.gemv1, 4, self.gemv_resident[1]),
-            _ => (&self.k.gemv, 4, self.gemv_resident[0]),
+        let vec16 = n == 1 && self.gemv_vec16.load(Relaxed) && x.vec16(outs);
+        let (f, resident) = match (n, vec16) {
+            (1, true) => (&self.k.gemv1v, self.gemv_resident[2]),
+            (1, false) => (&self.k.gemv1, self.gemv_resident[1]),
+            _ => (&self.k.gemv, self.gemv_resident[0]),
         };
+        let per_block = 4;
         let (mut w, mut y, mut dims) = ([0u64; 3], [0u64; 3], [0i32; 3]);
         for (i, o) in outs.iter().enumerate() {
             (w[i], y[i], dims[i]) = (o.w, o.y, o.out_dim as i32);

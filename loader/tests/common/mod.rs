@@ -29,12 +29,38 @@ pub fn wait(d: &Done) {
     }
 }
 
-/// The fake device's memory for `plan`: one zeroed region per shard, `aligned_len` bytes each.
+/// The fake device's memory for `plan`: one zeroed region per shard, `device_len()` bytes each.
 pub fn device_for(plan: &LoadPlan) -> Vec<Vec<u8>> {
     plan.shards
         .iter()
-        .map(|s| vec![0u8; s.aligned_len as usize])
+        .map(|s| vec![0u8; s.device_len() as usize])
         .collect()
+}
+
+/// Every shard's data section arrived whole in `device` (the fake device's memory), starting on
+/// a `DEVICE_ALIGN` boundary of its region — also where the file has it off such a boundary
+/// (this fixture's headers end at odd offsets, so the arenas must shift them).
+pub fn assert_on_device(plan: &LoadPlan, device: &[Vec<u8>], what: &str) {
+    use thaw_loader::plan::DEVICE_ALIGN;
+    assert!(
+        plan.shards.iter().any(|s| s.device_lead() != 0),
+        "the fixture should need a shift"
+    );
+    for (si, s) in plan.shards.iter().enumerate() {
+        let file = std::fs::read(&s.path).unwrap();
+        let data = &file[s.data_start as usize..(s.data_start + s.data_len) as usize];
+        let off = s.device_data_offset() as usize;
+        assert_eq!(
+            off as u64 % DEVICE_ALIGN,
+            0,
+            "{what} shard {si}: data at {off}"
+        );
+        assert_eq!(
+            &device[si][off..off + data.len()],
+            data,
+            "{what} shard {si}"
+        );
+    }
 }
 
 /// Two shards of awkward sizes (partial last chunks), tensors in layer order, with a manifest

@@ -44,7 +44,9 @@ impl DeviceLlama<thaw_kernels::cuda::Gpu> {
         };
         let loaded = thaw_loader::cuda::load_to_device(&ck, opts, &gpu.ctx, staging)
             .map_err(RuntimeError::from)?;
-        let offsets: Vec<u64> = loaded.plan.shards.iter().map(|s| s.data_offset()).collect();
+        let offsets: Vec<u64> = (loaded.plan.shards.iter())
+            .map(|s| s.device_data_offset())
+            .collect();
         let shards: Vec<DevBuf> = loaded
             .shards
             .into_iter()
@@ -102,11 +104,14 @@ impl<D: DeviceOps> DeviceLlama<D> {
                     sh.data_start + sh.data_len
                 )));
             }
-            let mut b = dev.alloc(data.len()).map_err(dev_err)?;
-            dev.upload(&mut b, 0, &data).map_err(dev_err)?;
+            // The data section alone, at the allocation's start: on the device's allocation
+            // boundary, as the streaming load puts it (`ShardPlan::device_data_offset`).
+            let section = &data[sh.data_start as usize..(sh.data_start + sh.data_len) as usize];
+            let mut b = dev.alloc(section.len()).map_err(dev_err)?;
+            dev.upload(&mut b, 0, section).map_err(dev_err)?;
             bytes += sh.data_len;
             shards.push(b);
-            offsets.push(sh.data_start);
+            offsets.push(0);
         }
         let stats = LoadStats {
             strategy: "simple".into(),
