@@ -94,9 +94,17 @@ fn check(spec: &str, device: usize) -> Result<Value> {
     let mut modes = vec![];
     let mut all_ok = true;
     // Decode products through cuBLAS, then through the matrix-vector kernels (RMSNorm folded
-    // in): each must pass on its own.
-    for (mode, gemv_rows) in [("cuBLAS", 0), ("gemv", thaw_kernels::device::GEMV_MAX_ROWS)] {
+    // in), each queued launch by launch and replayed from recorded decode steps (CUDA graphs):
+    // each must pass on its own.
+    let gemv = thaw_kernels::device::GEMV_MAX_ROWS;
+    for (mode, gemv_rows, graphs) in [
+        ("cuBLAS", 0, false),
+        ("gemv", gemv, false),
+        ("cuBLAS+graphs", 0, true),
+        ("gemv+graphs", gemv, true),
+    ] {
         gpu.set_gemv_max_rows(gemv_rows);
+        gpu.set_graphs(graphs);
         let (gp, gb) = steps(&*gpu)?;
         let prefill_err = rel_err(&gp, &cp, vocab);
         let batch_err = rel_err(&gb, &cb, vocab);
@@ -125,8 +133,17 @@ fn check(spec: &str, device: usize) -> Result<Value> {
             v["reference"] = json!({"model": r, "cuda_prefill": gpu_p, "cuda_batch": gpu_b,
                                     "cpu_prefill": cpu_p, "cpu_batch": cpu_b, "pass": ref_ok});
         }
+        let replays = if graphs {
+            let g = gpu.graph_stats();
+            format!(
+                "; {} decode steps recorded, {} replayed",
+                g.captures, g.replays
+            )
+        } else {
+            String::new()
+        };
         println!(
-            "check {} ({mode}): {} weights, prefill rel err {prefill_err:.2e}, later steps {batch_err:.2e} (limit {limit:.0e}); greedy ids equal in {same}/{} requests{vs_ref} — {}",
+            "check {} ({mode}): {} weights, prefill rel err {prefill_err:.2e}, later steps {batch_err:.2e} (limit {limit:.0e}); greedy ids equal in {same}/{} requests{vs_ref}{replays} — {}",
             dir.display(),
             cpu.weight_dtype(),
             ci.len(),
@@ -308,23 +325,32 @@ fn big_model(dir: &PathBuf, a: &GpuArgs, h2d: f64, read_bw: f64) -> Result<Value
     // "gemv": as the model would run them (one row: 16-byte loads, the checkpoint's tensors
     // being 16-byte aligned on the device); "gemv-8B": one row with 8-byte loads; "gemv-unfused"
     // runs the RMSNorms as kernels of their own instead of folding them into the products;
-    // "gemv-persistent" launches only the blocks the device holds at once.
+    // "gemv-persistent" launches only the blocks the device holds at once; "+graphs": each
+    // decode step replayed from a recording of its shape (CUDA graphs) instead of queued
+    // launch by launch.
     let modes = [
         (1usize, "gemv"),
         (1, "gemv-8B"),
         (1, "gemv-unfused"),
         (1, "gemv-persistent"),
         (1, "cuBLAS"),
+        (1, "gemv+graphs"),
+        (1, "cuBLAS+graphs"),
         (2, "gemv"),
         (2, "cuBLAS"),
         (4, "gemv"),
         (4, "cuBLAS"),
         (8, "gemv"),
         (8, "cuBLAS"),
+        (8, "gemv+graphs"),
+        (8, "cuBLAS+graphs"),
         (32, "cuBLAS"),
+        (32, "cuBLAS+graphs"),
     ];
     for (batch, mode) in modes {
-        let gemv = mode != "cuBLAS";
+        let graphs = mode.ends_with("+graphs");
+        let kernels = mode.trim_end_matches("+graphs");
+        let gemv = kernels != "cuBLAS";
         m.set_gemv_max_rows(if gemv {
             thaw_kernels::device::GEMV_MAX_ROWS
         } else {
@@ -332,24 +358,31 @@ fn big_model(dir: &PathBuf, a: &GpuArgs, h2d: f64, read_bw: f64) -> Result<Value
         });
         m.device()
             .gemv_vec16
-            .store(mode != "gemv-8B", std::sync::atomic::Ordering::Relaxed);
-        m.set_fused_norm(mode != "gemv-unfused");
+            .store(kernels != "gemv-8B", std::sync::atomic::Ordering::Relaxed);
+        m.set_fused_norm(kernels != "gemv-unfused");
         m.device().gemv_persistent.store(
-            mode == "gemv-persistent",
+            kernels == "gemv-persistent",
             std::sync::atomic::Ordering::Relaxed,
         );
-        let launches = m.gemv_launches();
+        // (Also drops recordings made under the device flags just changed.)
+        m.set_graphs(graphs);
+        let (launches, g0) = (m.gemv_launches(), m.graph_stats());
         let r = decode_rate(&m, batch, a.steps, 32)?;
-        // Matrix-vector launches per step (0: every product went to cuBLAS).
+        // Matrix-vector launches per step (0: every product went to cuBLAS), and steps
+        // replayed from a recording (all but the first with "+graphs", else none).
         let per_step = (m.gemv_launches() - launches) as f64 / (a.steps + 2) as f64;
+        let g1 = m.graph_stats();
+        let (recorded, replayed) = (g1.captures - g0.captures, g1.replays - g0.replays);
         let roof = roof1 * batch as f64;
         println!(
-            "decode batch {batch:>2} ({mode}): {r:.1} tokens/s; roofline {roof:.1} ({:.0}%); {per_step:.0} gemv launches per step",
+            "decode batch {batch:>2} ({mode}): {r:.1} tokens/s; roofline {roof:.1} ({:.0}%); {per_step:.0} gemv launches per step; graphs: {recorded} recorded, {replayed} replayed",
             100.0 * r / roof
         );
         dec.push(json!({"batch": batch, "mode": mode, "tokens_per_s": r, "gemv_launches_per_step": per_step,
+                        "graphs_recorded": recorded, "graphs_replayed": replayed,
                         "roofline_tokens_per_s": roof, "fraction_of_roofline": r / roof}));
     }
+    m.set_graphs(false);
     m.device()
         .gemv_vec16
         .store(true, std::sync::atomic::Ordering::Relaxed);

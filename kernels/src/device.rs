@@ -77,7 +77,7 @@ pub struct Paging {
 /// `partials` ([`Split::partial_floats`] f32). A decode row is otherwise one block per KV head
 /// — 8 blocks for a Llama-3-8B row on a GPU of 132 multiprocessors, each walking the whole
 /// context.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Split {
     pub chunk: usize,
     pub n: usize,
@@ -110,7 +110,10 @@ impl Split {
         if n <= 1 {
             return (0, 1);
         }
-        let chunk = len.div_ceil(n);
+        // A multiple of the minimum: the plan then changes only every `min_chunk` positions or
+        // more, and so does a CUDA graph recorded with it (the decode step's graphs are keyed
+        // on the split).
+        let chunk = len.div_ceil(n).next_multiple_of(min_chunk);
         (chunk, len.div_ceil(chunk))
     }
 
@@ -276,6 +279,19 @@ pub trait DeviceOps: Send + Sync + 'static {
     /// Waits for all queued work.
     fn sync(&self) -> Result<(), Self::Error>;
 
+    /// Recorded device work (a CUDA graph), queued again by [`DeviceOps::replay`].
+    type Graph: Send + 'static;
+    /// Until [`DeviceOps::end_capture`], the work this thread queues is recorded instead of run,
+    /// with the arguments it is given — pointers, sizes, scalars all fixed in the recording.
+    /// Uploads and downloads are refused meanwhile (they stay outside: a step uploads its plan,
+    /// replays, then downloads).
+    fn begin_capture(&self) -> Result<(), Self::Error>;
+    /// Ends the capture begun last (call it also when queueing failed midway) and returns
+    /// what it recorded.
+    fn end_capture(&self) -> Result<Self::Graph, Self::Error>;
+    /// Queues a recording's work again, in order, after the work already queued.
+    fn replay(&self, g: &Self::Graph) -> Result<(), Self::Error>;
+
     /// `dst[i] = src[i]` widened to f32, `n` elements.
     fn widen(&self, src: u64, kind: Elem, dst: u64, n: usize) -> Result<(), Self::Error>;
     /// `out[r] = table[ids[r]]` widened to f32, rows of `d`.
@@ -424,7 +440,7 @@ mod tests {
                     "{rows} rows, {len}: {n} splits"
                 );
                 assert!(
-                    chunk >= 16 && chunk * n >= len && chunk * (n - 1) < len,
+                    chunk >= 16 && chunk % 16 == 0 && chunk * n >= len && chunk * (n - 1) < len,
                     "{chunk}×{n} for {len}"
                 );
             }

@@ -188,7 +188,7 @@ impl StepPlan {
 }
 
 /// Byte offsets of the plan's arrays inside the uploaded metadata buffer.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct MetaOffsets {
     pub tokens: u64,
     pub pos: u64,
@@ -205,7 +205,9 @@ pub struct MetaOffsets {
 
 impl StepPlan {
     /// The plan packed into one buffer (each array 16-byte aligned), so a device step makes
-    /// one upload.
+    /// one upload. The block tables, whose length grows with the contexts, come last: the
+    /// other arrays' offsets then depend only on the step's rows, so consecutive decode steps
+    /// of one batch have the same offsets — and can replay one recorded CUDA graph.
     pub fn pack(&self) -> (Vec<u8>, MetaOffsets) {
         let p = self;
         let mut out: Vec<u8> = Vec::new();
@@ -219,19 +221,20 @@ impl StepPlan {
             out.extend_from_slice(b);
             at
         }
-        let at = MetaOffsets {
+        let mut at = MetaOffsets {
             tokens: put(&mut out, &p.tokens),
             pos: put(&mut out, &p.pos),
             slot: put(&mut out, &p.slot),
             table_off: put(&mut out, &p.table_off),
-            tables: put(&mut out, &p.tables),
             picked: put(&mut out, &p.picked),
             cos: put(&mut out, &p.cos),
             sin: put(&mut out, &p.sin),
             decode_rows: put(&mut out, &p.decode_rows),
             tile_row0: put(&mut out, &p.tile_row0),
             tile_rows: put(&mut out, &p.tile_rows),
+            tables: 0,
         };
+        at.tables = put(&mut out, &p.tables);
         (out, at)
     }
 }
@@ -392,6 +395,13 @@ mod tests {
             tile_rows: vec![1, 1],
         };
         let (b, at) = p.pack();
+        // Longer tables (contexts that grew by a block) move no offset: tables come last.
+        let grown = StepPlan {
+            tables: vec![9, 10, 11, 12, 13, 14, 15],
+            table_off: vec![0, 0, 3],
+            ..p.clone()
+        };
+        assert_eq!(grown.pack().1, at);
         let u32s = |off: u64, n: usize| -> Vec<u32> {
             (0..n)
                 .map(|i| u32::from_le_bytes(b[off as usize + 4 * i..][..4].try_into().unwrap()))
@@ -421,6 +431,6 @@ mod tests {
         assert_eq!(u32s(at.decode_rows, 1), p.decode_rows);
         assert_eq!(u32s(at.tile_row0, 2), p.tile_row0);
         assert_eq!(u32s(at.tile_rows, 2), p.tile_rows);
-        assert_eq!(b.len() as u64, at.tile_rows + 8);
+        assert_eq!(b.len() as u64, at.tables + 4 * p.tables.len() as u64);
     }
 }

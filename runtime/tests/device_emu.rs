@@ -148,6 +148,82 @@ fn device_model_matches_the_cpu_model_on_tiny_checkpoints() {
     }
 }
 
+/// Decode steps through recorded graphs (a CUDA graph's semantics, emulated: a capture records
+/// each launch with its arguments, a replay runs them again) give exactly the logits and ids of
+/// steps queued launch by launch — over steps whose positions, cache slots and block tables
+/// change (tables grow by a block every 4 positions), whose attention split changes with the
+/// context (unsplit, then split: new recordings), batches of 2 then 1, greedy and not. A setting
+/// that changes the launches drops the recordings.
+#[test]
+fn decode_steps_replay_recorded_graphs_exactly() {
+    let d = tempfile::tempdir().unwrap();
+    tiny(d.path(), "F32", false);
+    let m = DeviceLlama::load_simple(Arc::new(Emu::new()), d.path()).unwrap();
+    let vocab = m.cfg.vocab_size;
+    let tok = |i: usize| ((i * 7 + 3) % vocab) as u32;
+    // Per step: the logits of a sampled step, or the ids of a greedy one.
+    let run = |graphs: bool| -> Vec<(Vec<f32>, Vec<u32>)> {
+        m.set_graphs(graphs);
+        let mut kv = m.new_kv(4, 64).unwrap();
+        let (ta, tb): (Vec<u32>, Vec<u32>) = ((0..12).collect(), (20..32).collect());
+        let table = |t: &[u32], len: usize| t[..len.div_ceil(4)].to_vec();
+        let a: Vec<u32> = (0..27).map(tok).collect();
+        let b: Vec<u32> = (50..63).map(tok).collect();
+        let (ta0, tb0) = (table(&ta, 27), table(&tb, 13));
+        let prefill = [
+            SeqChunk {
+                tokens: &a,
+                start: 0,
+                table: &ta0,
+            },
+            SeqChunk {
+                tokens: &b,
+                start: 0,
+                table: &tb0,
+            },
+        ];
+        let mut out = vec![(m.forward_batch(&prefill, &mut kv).unwrap(), vec![])];
+        // Positions 27..37 for a (the emulator splits rows of 32 positions or more), 13..21
+        // for b; b stops after 8 steps (batch 1 from then on).
+        for step in 0..11 {
+            let (pa, pb) = (27 + step, 13 + step);
+            let (na, nb) = ([tok(pa)], [tok(pb + 50)]);
+            let (ta1, tb1) = (table(&ta, pa + 1), table(&tb, pb + 1));
+            let mut seqs = vec![SeqChunk {
+                tokens: &na,
+                start: pa,
+                table: &ta1,
+            }];
+            if step < 8 {
+                seqs.push(SeqChunk {
+                    tokens: &nb,
+                    start: pb,
+                    table: &tb1,
+                });
+            }
+            out.push(if step % 3 == 1 {
+                (vec![], m.forward_batch_greedy(&seqs, &mut kv).unwrap())
+            } else {
+                (m.forward_batch(&seqs, &mut kv).unwrap(), vec![])
+            });
+        }
+        out
+    };
+    let queued = run(false);
+    assert_eq!(m.graph_stats().captures, 0);
+    let replayed = run(true);
+    let st = m.graph_stats();
+    eprintln!("{st:?}");
+    for (i, (q, r)) in queued.iter().zip(&replayed).enumerate() {
+        assert!(q == r, "step {i}: replayed results differ from queued ones");
+    }
+    // 11 decode steps in 7 shapes (batch 2 unsplit / split / greedy; batch 1); the rest replay.
+    assert!(st.captures >= 4 && st.replays >= 3, "{st:?}");
+    assert_eq!(st.captures + st.replays, 11);
+    m.set_gemv_max_rows(thaw_kernels::device::GEMV_MAX_ROWS);
+    assert_eq!(m.graph_stats().held, 0);
+}
+
 /// The real default model (f32 weights): the device model generates the CPU model's greedy
 /// tokens for a chat prompt, through the same `generate` loop.
 #[test]
@@ -170,6 +246,12 @@ fn device_model_generates_the_cpu_models_tokens_on_smollm2() {
         a.output_ids, a.text, b.output_ids
     );
     assert_eq!(a.output_ids, b.output_ids);
+    // The same with the decode steps recorded once and replayed (CUDA graphs).
+    dev.set_graphs(true);
+    let g = generate(&dev, &tok, &prompt, &p, |_| {}).unwrap();
+    let st = dev.graph_stats();
+    assert_eq!(a.output_ids, g.output_ids, "{st:?}");
+    assert!(st.captures >= 1 && st.replays >= 1, "{st:?}");
 }
 
 /// Bad inputs to the device model are clear errors before any device work: a head shape the

@@ -43,6 +43,25 @@ impl std::error::Error for EmuError {}
 pub struct Emu {
     /// Launches of each matrix-vector kernel ([`GemvKernel`] order) that ran the kernel itself.
     gemv_runs: [std::sync::atomic::AtomicU64; 3],
+    /// While capturing: the operations queued so far, each with its arguments fixed.
+    capture: std::sync::Mutex<Option<Vec<Op>>>,
+}
+
+/// One queued operation, as a capture records it: its arguments are moved in, so a replay
+/// runs it with exactly what it was given — as a CUDA graph's kernel nodes do.
+type Op = Box<dyn Fn(&Emu) -> Result<(), EmuError> + Send>;
+
+/// What [`DeviceOps::end_capture`] returns on the emulator.
+pub struct EmuGraph(Vec<Op>);
+
+impl EmuGraph {
+    /// Operations recorded.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
 }
 
 /// Largest weight matrix (elements) the emulator runs through the `gemv` kernel itself.
@@ -63,6 +82,27 @@ pub enum GemvKernel {
 impl Emu {
     pub fn new() -> Emu {
         Emu::default()
+    }
+
+    /// Runs `op` now, or records it while a capture is open.
+    fn queue(
+        &self,
+        op: impl Fn(&Emu) -> Result<(), EmuError> + Send + 'static,
+    ) -> Result<(), EmuError> {
+        let mut capture = self.capture.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(ops) = capture.as_mut() {
+            ops.push(Box::new(op));
+            return Ok(());
+        }
+        drop(capture);
+        op(self)
+    }
+
+    fn capturing(&self) -> bool {
+        self.capture
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
     }
 
     /// How many launches ran `kernel` itself (not the GEMM's definition, which the emulator
@@ -189,6 +229,9 @@ impl DeviceOps for Emu {
         })
     }
     fn upload(&self, dst: &mut EmuBuf, at: usize, src: &[u8]) -> Result<(), EmuError> {
+        if self.capturing() {
+            return Err(EmuError("an upload during a capture".into()));
+        }
         if at + src.len() > dst.len {
             return Err(EmuError(format!(
                 "upload of {} at {at} overruns {}",
@@ -207,6 +250,9 @@ impl DeviceOps for Emu {
         Ok(())
     }
     fn download(&self, src: &EmuBuf, at: usize, dst: &mut [u8]) -> Result<(), EmuError> {
+        if self.capturing() {
+            return Err(EmuError("a download during a capture".into()));
+        }
         let n = dst.len();
         if at + n > src.len {
             return Err(EmuError("download overruns its buffer".into()));
@@ -227,19 +273,42 @@ impl DeviceOps for Emu {
     fn sync(&self) -> Result<(), EmuError> {
         Ok(())
     }
-    fn widen(&self, src: u64, kind: Elem, dst: u64, n: usize) -> Result<(), EmuError> {
-        // SAFETY: addresses of emulator buffers sized by the caller.
-        unsafe {
-            super::thaw_emu_widen(
-                grid(n),
-                64,
-                src as *const u8,
-                kind.code(),
-                dst as *mut f32,
-                n as i64,
-            )
-        };
+    type Graph = EmuGraph;
+    fn begin_capture(&self) -> Result<(), EmuError> {
+        let mut capture = self.capture.lock().unwrap_or_else(|e| e.into_inner());
+        if capture.is_some() {
+            return Err(EmuError("a capture is already open".into()));
+        }
+        *capture = Some(vec![]);
         Ok(())
+    }
+    fn end_capture(&self) -> Result<EmuGraph, EmuError> {
+        let ops = (self.capture.lock().unwrap_or_else(|e| e.into_inner()))
+            .take()
+            .ok_or_else(|| EmuError("no capture is open".into()))?;
+        Ok(EmuGraph(ops))
+    }
+    fn replay(&self, g: &EmuGraph) -> Result<(), EmuError> {
+        if self.capturing() {
+            return Err(EmuError("a replay during a capture".into()));
+        }
+        g.0.iter().try_for_each(|op| op(self))
+    }
+    fn widen(&self, src: u64, kind: Elem, dst: u64, n: usize) -> Result<(), EmuError> {
+        self.queue(move |_| {
+            // SAFETY: addresses of emulator buffers sized by the caller.
+            unsafe {
+                super::thaw_emu_widen(
+                    grid(n),
+                    64,
+                    src as *const u8,
+                    kind.code(),
+                    dst as *mut f32,
+                    n as i64,
+                )
+            };
+            Ok(())
+        })
     }
     fn embed(
         &self,
@@ -250,19 +319,21 @@ impl DeviceOps for Emu {
         d: usize,
         out: u64,
     ) -> Result<(), EmuError> {
-        // SAFETY: as above.
-        unsafe {
-            super::thaw_emu_embed(
-                n as u32,
-                32,
-                table as *const u8,
-                kind.code(),
-                ids as *const u32,
-                d as i32,
-                out as *mut f32,
-            )
-        };
-        Ok(())
+        self.queue(move |_| {
+            // SAFETY: as above.
+            unsafe {
+                super::thaw_emu_embed(
+                    n as u32,
+                    32,
+                    table as *const u8,
+                    kind.code(),
+                    ids as *const u32,
+                    d as i32,
+                    out as *mut f32,
+                )
+            };
+            Ok(())
+        })
     }
     fn rmsnorm(
         &self,
@@ -275,50 +346,56 @@ impl DeviceOps for Emu {
         out: u64,
         out_kind: Elem,
     ) -> Result<(), EmuError> {
-        // SAFETY: as above.
-        unsafe {
-            super::thaw_emu_rmsnorm(
-                n as u32,
-                64,
-                x as *const f32,
-                rows_map as *const u32,
-                w as *const f32,
-                d as i32,
-                eps,
-                out as *mut u8,
-                out_kind.code(),
-            )
-        };
-        Ok(())
+        self.queue(move |_| {
+            // SAFETY: as above.
+            unsafe {
+                super::thaw_emu_rmsnorm(
+                    n as u32,
+                    64,
+                    x as *const f32,
+                    rows_map as *const u32,
+                    w as *const f32,
+                    d as i32,
+                    eps,
+                    out as *mut u8,
+                    out_kind.code(),
+                )
+            };
+            Ok(())
+        })
     }
     fn add_bias(&self, x: u64, bias: u64, d: usize, n: usize) -> Result<(), EmuError> {
-        // SAFETY: as above.
-        unsafe {
-            super::thaw_emu_add_bias(
-                grid(n),
-                64,
-                x as *mut f32,
-                bias as *const f32,
-                d as i32,
-                n as i64,
-            )
-        };
-        Ok(())
+        self.queue(move |_| {
+            // SAFETY: as above.
+            unsafe {
+                super::thaw_emu_add_bias(
+                    grid(n),
+                    64,
+                    x as *mut f32,
+                    bias as *const f32,
+                    d as i32,
+                    n as i64,
+                )
+            };
+            Ok(())
+        })
     }
     fn silu_mul(&self, g: u64, u: u64, out: u64, out_kind: Elem, n: usize) -> Result<(), EmuError> {
-        // SAFETY: as above.
-        unsafe {
-            super::thaw_emu_silu_mul(
-                grid(n),
-                64,
-                g as *const f32,
-                u as *const f32,
-                out as *mut u8,
-                out_kind.code(),
-                n as i64,
-            )
-        };
-        Ok(())
+        self.queue(move |_| {
+            // SAFETY: as above.
+            unsafe {
+                super::thaw_emu_silu_mul(
+                    grid(n),
+                    64,
+                    g as *const f32,
+                    u as *const f32,
+                    out as *mut u8,
+                    out_kind.code(),
+                    n as i64,
+                )
+            };
+            Ok(())
+        })
     }
     fn rope_store(
         &self,
@@ -335,27 +412,29 @@ impl DeviceOps for Emu {
         slots: u64,
         layer_off: usize,
     ) -> Result<(), EmuError> {
-        // SAFETY: as above.
-        unsafe {
-            super::thaw_emu_rope_store(
-                n as u32,
-                32,
-                q as *mut f32,
-                k as *const f32,
-                v as *const f32,
-                cos as *const f32,
-                sin as *const f32,
-                s.n_heads as i32,
-                s.n_kv_heads as i32,
-                s.head_dim as i32,
-                kc as *mut u8,
-                vc as *mut u8,
-                kv_kind.code(),
-                slots as *const i64,
-                layer_off as i64,
-            )
-        };
-        Ok(())
+        self.queue(move |_| {
+            // SAFETY: as above.
+            unsafe {
+                super::thaw_emu_rope_store(
+                    n as u32,
+                    32,
+                    q as *mut f32,
+                    k as *const f32,
+                    v as *const f32,
+                    cos as *const f32,
+                    sin as *const f32,
+                    s.n_heads as i32,
+                    s.n_kv_heads as i32,
+                    s.head_dim as i32,
+                    kc as *mut u8,
+                    vc as *mut u8,
+                    kv_kind.code(),
+                    slots as *const i64,
+                    layer_off as i64,
+                )
+            };
+            Ok(())
+        })
     }
     fn attention(
         &self,
@@ -374,35 +453,37 @@ impl DeviceOps for Emu {
         if kv_kind == Elem::F16 {
             return Err(EmuError("an f16 KV cache: unsupported".into()));
         }
-        let (chunk, nsplit) = split.kernel_args();
-        // SAFETY: as above; the partials buffer is the caller's, of the planned size.
-        unsafe {
-            super::thaw_emu_attention(
-                n as u32,
-                s.n_kv_heads as u32,
-                q as *const f32,
-                kc as *const u8,
-                vc as *const u8,
-                kv_kind.code(),
-                p.rows as *const u32,
-                p.pos as *const u32,
-                p.table_off as *const u32,
-                p.tables as *const u32,
-                p.block_size as i32,
-                p.block_stride as i64,
-                p.layer_off as i64,
-                s.n_heads as i32,
-                s.n_kv_heads as i32,
-                s.head_dim as i32,
-                1.0 / (s.head_dim as f32).sqrt(),
-                out as *mut u8,
-                out_kind.code(),
-                chunk,
-                nsplit,
-                split.partials as *mut f32,
-            )
-        };
-        Ok(())
+        self.queue(move |_| {
+            let (chunk, nsplit) = split.kernel_args();
+            // SAFETY: as above; the partials buffer is the caller's, of the planned size.
+            unsafe {
+                super::thaw_emu_attention(
+                    n as u32,
+                    s.n_kv_heads as u32,
+                    q as *const f32,
+                    kc as *const u8,
+                    vc as *const u8,
+                    kv_kind.code(),
+                    p.rows as *const u32,
+                    p.pos as *const u32,
+                    p.table_off as *const u32,
+                    p.tables as *const u32,
+                    p.block_size as i32,
+                    p.block_stride as i64,
+                    p.layer_off as i64,
+                    s.n_heads as i32,
+                    s.n_kv_heads as i32,
+                    s.head_dim as i32,
+                    1.0 / (s.head_dim as f32).sqrt(),
+                    out as *mut u8,
+                    out_kind.code(),
+                    chunk,
+                    nsplit,
+                    split.partials as *mut f32,
+                )
+            };
+            Ok(())
+        })
     }
     /// Splits of 16 positions or more, to 16 blocks: the tiny models' short contexts are
     /// split, so the model tests run the merge.
@@ -422,39 +503,49 @@ impl DeviceOps for Emu {
         out_kind: Elem,
     ) -> Result<(), EmuError> {
         s.check().map_err(EmuError)?;
-        // SAFETY: as above.
-        unsafe {
-            super::thaw_emu_attention_prefill(
-                t.n as u32,
-                s.n_kv_heads as u32,
-                q as *const f32,
-                kc as *const u8,
-                vc as *const u8,
-                kv_kind.code(),
-                t.row0 as *const u32,
-                t.count as *const u32,
-                p.pos as *const u32,
-                p.table_off as *const u32,
-                p.tables as *const u32,
-                p.block_size as i32,
-                p.block_stride as i64,
-                p.layer_off as i64,
-                s.n_heads as i32,
-                s.n_kv_heads as i32,
-                s.head_dim as i32,
-                1.0 / (s.head_dim as f32).sqrt(),
-                out as *mut u8,
-                out_kind.code(),
-            )
-        };
-        Ok(())
+        self.queue(move |_| {
+            // SAFETY: as above.
+            unsafe {
+                super::thaw_emu_attention_prefill(
+                    t.n as u32,
+                    s.n_kv_heads as u32,
+                    q as *const f32,
+                    kc as *const u8,
+                    vc as *const u8,
+                    kv_kind.code(),
+                    t.row0 as *const u32,
+                    t.count as *const u32,
+                    p.pos as *const u32,
+                    p.table_off as *const u32,
+                    p.tables as *const u32,
+                    p.block_size as i32,
+                    p.block_stride as i64,
+                    p.layer_off as i64,
+                    s.n_heads as i32,
+                    s.n_kv_heads as i32,
+                    s.head_dim as i32,
+                    1.0 / (s.head_dim as f32).sqrt(),
+                    out as *mut u8,
+                    out_kind.code(),
+                )
+            };
+            Ok(())
+        })
     }
     fn argmax_rows(&self, x: u64, rows: usize, n: usize, ids: u64) -> Result<(), EmuError> {
-        // SAFETY: x holds rows·n f32, ids rows u32 (the caller's buffers).
-        unsafe {
-            super::thaw_emu_argmax_rows(rows as u32, 64, x as *const f32, n as i32, ids as *mut u32)
-        };
-        Ok(())
+        self.queue(move |_| {
+            // SAFETY: x holds rows·n f32, ids rows u32 (the caller's buffers).
+            unsafe {
+                super::thaw_emu_argmax_rows(
+                    rows as u32,
+                    64,
+                    x as *const f32,
+                    n as i32,
+                    ids as *mut u32,
+                )
+            };
+            Ok(())
+        })
     }
     fn gemm(
         &self,
@@ -467,50 +558,52 @@ impl DeviceOps for Emu {
         y: u64,
         beta: f32,
     ) -> Result<(), EmuError> {
-        let c = GemmCall::linear(out_dim, in_dim, n);
-        // cuBLAS's definition, literally: A and B in `w_kind`, C f32.
-        let a = |i: usize, l: usize| {
-            load(
-                w,
-                if c.transa {
-                    l + i * c.lda
-                } else {
-                    i + l * c.lda
-                },
-                w_kind,
-            )
-        };
-        let b = |l: usize, j: usize| {
-            load(
-                x,
-                if c.transb {
-                    j + l * c.ldb
-                } else {
-                    l + j * c.ldb
-                },
-                w_kind,
-            )
-        };
-        for j in 0..c.n {
-            for i in 0..c.m {
-                let mut acc = 0f64;
-                for l in 0..c.k {
-                    acc += a(i, l) * b(l, j);
-                }
-                // SAFETY: C holds ldc·n f32 (the caller's output buffer).
-                unsafe {
-                    let p = (y as *mut f32).add(i + j * c.ldc);
-                    // As cuBLAS: with beta = 0, C is written, never read.
-                    let old = if beta == 0.0 {
-                        0.0
+        self.queue(move |_| {
+            let c = GemmCall::linear(out_dim, in_dim, n);
+            // cuBLAS's definition, literally: A and B in `w_kind`, C f32.
+            let a = |i: usize, l: usize| {
+                load(
+                    w,
+                    if c.transa {
+                        l + i * c.lda
                     } else {
-                        beta as f64 * *p as f64
-                    };
-                    *p = (acc + old) as f32;
+                        i + l * c.lda
+                    },
+                    w_kind,
+                )
+            };
+            let b = |l: usize, j: usize| {
+                load(
+                    x,
+                    if c.transb {
+                        j + l * c.ldb
+                    } else {
+                        l + j * c.ldb
+                    },
+                    w_kind,
+                )
+            };
+            for j in 0..c.n {
+                for i in 0..c.m {
+                    let mut acc = 0f64;
+                    for l in 0..c.k {
+                        acc += a(i, l) * b(l, j);
+                    }
+                    // SAFETY: C holds ldc·n f32 (the caller's output buffer).
+                    unsafe {
+                        let p = (y as *mut f32).add(i + j * c.ldc);
+                        // As cuBLAS: with beta = 0, C is written, never read.
+                        let old = if beta == 0.0 {
+                            0.0
+                        } else {
+                            beta as f64 * *p as f64
+                        };
+                        *p = (acc + old) as f32;
+                    }
                 }
             }
-        }
-        Ok(())
+            Ok(())
+        })
     }
     fn gemv(&self, w_kind: Elem, outs: &[GemvOut], x: &GemvIn, beta: f32) -> Result<(), EmuError> {
         // As the GPU picks (`Gpu::gemv_vec16` on, its default).
@@ -521,6 +614,11 @@ impl DeviceOps for Emu {
         } else {
             GemvKernel::Rows
         };
-        self.gemv_kernel(kernel, w_kind, outs, x, beta)
+        // Refused now, not when replayed.
+        if !x.fits(w_kind, outs, thaw_kernels::device::GEMV_MAX_ROWS) {
+            return self.gemv_kernel(kernel, w_kind, outs, x, beta);
+        }
+        let (outs, x) = (outs.to_vec(), *x);
+        self.queue(move |e| e.gemv_kernel(kernel, w_kind, &outs, &x, beta))
     }
 }

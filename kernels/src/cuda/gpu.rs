@@ -99,6 +99,8 @@ pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
     blas: CudaBlas,
+    /// cuBLAS's workspace (after `blas`: dropped after the handle that uses it).
+    _blas_workspace: cudarc::driver::CudaSlice<u8>,
     k: Kernels,
     pub info: DeviceInfo,
     pub init: GpuInit,
@@ -180,6 +182,18 @@ impl Gpu {
             ));
         }
         let blas = CudaBlas::new(stream.clone()).map_err(drv)?;
+        // A workspace of cuBLAS's own, set once: without one cuBLAS allocates its workspace
+        // when a product first needs it, which a CUDA graph capture refuses (32 MiB: NVIDIA's
+        // recommendation for Hopper).
+        let blas_workspace = stream.alloc_zeros::<u8>(32 << 20).map_err(drv)?;
+        {
+            let (ptr, _sync) = blas_workspace.device_ptr(&stream);
+            // SAFETY: the workspace is device memory of the stated size that lives as long as
+            // the handle (the field after `blas` in `Gpu`, so dropped after it).
+            unsafe { blas_sys::cublasSetWorkspace_v2(*blas.handle(), ptr as *mut _, 32 << 20) }
+                .result()
+                .map_err(|e| CudaError::Driver(format!("cublasSetWorkspace: {e:?}")))?;
+        }
         // (Only the persistent A/B launch uses these: a failed query is one block per
         // multiprocessor, not a failed open.)
         let resident = |f: &CudaFunction| -> u32 {
@@ -197,6 +211,7 @@ impl Gpu {
             ctx,
             stream,
             blas,
+            _blas_workspace: blas_workspace,
             k,
             info,
             init: GpuInit {
@@ -301,6 +316,13 @@ impl AttnArgs {
     }
 }
 
+/// A recorded decode step (CUDA graph, instantiated and uploaded).
+pub struct GpuGraph(cudarc::driver::CudaGraph);
+
+// SAFETY: CUDA graph objects may be used from any thread as long as no two calls on one graph
+// run at once; the model keeps its graphs behind a mutex and only replays them under it.
+unsafe impl Send for GpuGraph {}
+
 impl DeviceOps for Gpu {
     type Buf = DevBuf;
     type Error = CudaError;
@@ -341,6 +363,30 @@ impl DeviceOps for Gpu {
 
     fn sync(&self) -> Result<(), CudaError> {
         self.stream.synchronize().map_err(drv)
+    }
+
+    type Graph = GpuGraph;
+    /// Stream capture in thread-local mode: other threads (the loader, an engine beside this
+    /// one) may keep allocating and copying meanwhile.
+    fn begin_capture(&self) -> Result<(), CudaError> {
+        self.stream
+            .begin_capture(
+                cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+            .map_err(drv)
+    }
+    fn end_capture(&self) -> Result<GpuGraph, CudaError> {
+        let g = self
+            .stream
+            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+            .map_err(drv)?
+            .ok_or_else(|| CudaError::Driver("the capture recorded nothing".into()))?;
+        // Uploaded now, so that the first replay does not pay the graph's setup.
+        g.upload().map_err(drv)?;
+        Ok(GpuGraph(g))
+    }
+    fn replay(&self, g: &GpuGraph) -> Result<(), CudaError> {
+        g.0.launch().map_err(drv)
     }
 
     /// `dst[i] = src[i]` as f32 (`n` elements of kind `kind`).

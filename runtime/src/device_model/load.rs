@@ -221,6 +221,12 @@ impl<D: DeviceOps> DeviceLlama<D> {
             fused_norm: AtomicBool::new(true),
             split_attention: AtomicBool::new(true),
             gemv_launches: Default::default(),
+            // Off until a GPU run measures them against queued launches (docs/PERFORMANCE.md);
+            // THAW_CUDA_GRAPHS=1 turns them on.
+            use_graphs: AtomicBool::new(
+                std::env::var("THAW_CUDA_GRAPHS").is_ok_and(|v| v != "0" && !v.is_empty()),
+            ),
+            graphs: Default::default(),
         })
     }
 }

@@ -27,7 +27,11 @@
 //!   (f32 accumulation, tensor cores) and a bf16 KV cache, like the CPU's AVX512-BF16 path;
 //!   f32 weights stay f32 end to end (no TF32), for a tight comparison with the CPU.
 
+mod graphs;
 mod load;
+
+pub use graphs::GraphStats;
+use graphs::{GraphKey, Graphs, StepShape};
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -159,6 +163,10 @@ pub struct DeviceLlama<D: DeviceOps> {
     split_attention: AtomicBool,
     /// Matrix-vector kernel launches so far (A/B runs check which path the products took).
     gemv_launches: AtomicU64,
+    /// Decode steps replay recordings of their batch shape (CUDA graphs; `THAW_CUDA_GRAPHS`
+    /// or [`DeviceLlama::set_graphs`]).
+    use_graphs: AtomicBool,
+    graphs: Mutex<Graphs<D::Graph>>,
 }
 
 /// The model on a CUDA GPU.
@@ -174,6 +182,30 @@ impl<D: DeviceOps> DeviceLlama<D> {
     /// Whether prefill chunks use the flash-style tiled attention kernel.
     pub fn set_tiled_prefill(&self, on: bool) {
         self.tiled_prefill.store(on, Ordering::Relaxed);
+        self.clear_graphs();
+    }
+
+    /// Whether decode steps replay recordings of their batch shape (CUDA graphs).
+    pub fn set_graphs(&self, on: bool) {
+        self.use_graphs.store(on, Ordering::Relaxed);
+        self.clear_graphs();
+    }
+
+    /// Drops the recorded decode steps: a setting that changes what a step launches (here, or
+    /// a device's own, such as `Gpu::gemv_vec16`) must not meet a recording made before it.
+    pub fn clear_graphs(&self) {
+        self.graphs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+    }
+
+    /// How often decode steps were recorded and replayed.
+    pub fn graph_stats(&self) -> GraphStats {
+        self.graphs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .stats()
     }
 
     /// The device it runs on.
@@ -184,6 +216,7 @@ impl<D: DeviceOps> DeviceLlama<D> {
     /// Products of at most `rows` rows use the matrix-vector kernel (0: cuBLAS for all).
     pub fn set_gemv_max_rows(&self, rows: usize) {
         self.gemv_max_rows.store(rows, Ordering::Relaxed);
+        self.clear_graphs();
     }
 
     /// Matrix-vector kernel launches since the model was made.
@@ -199,11 +232,13 @@ impl<D: DeviceOps> DeviceLlama<D> {
     /// Whether long rows' decode attention is split over blocks (flash-decoding).
     pub fn set_split_attention(&self, on: bool) {
         self.split_attention.store(on, Ordering::Relaxed);
+        self.clear_graphs();
     }
 
     /// Whether decode products by the matrix-vector kernel fold in their RMSNorm.
     pub fn set_fused_norm(&self, on: bool) {
         self.fused_norm.store(on, Ordering::Relaxed);
+        self.clear_graphs();
     }
 
     pub fn load_stats(&self) -> &LoadStats {
@@ -275,6 +310,8 @@ impl<D: DeviceOps> DeviceLlama<D> {
             .as_ref()
             .is_some_and(|s| s.rows >= rows && s.picked >= picked && s.meta.len() >= meta_bytes);
         if !fits {
+            // Recordings hold the old buffers' addresses.
+            self.clear_graphs();
             *slot = None; // free the old buffers before the larger ones are made
             let c = &self.cfg;
             let rows = rows.next_power_of_two().max(16);
@@ -303,7 +340,8 @@ impl<D: DeviceOps> DeviceLlama<D> {
     }
 
     /// One step; with `greedy`, the logits stay on the device and only each sequence's argmax
-    /// id comes back.
+    /// id comes back. A decode step (one token per sequence) with graphs on replays the
+    /// recording of its batch shape ([`graphs`]), recording it first if there is none.
     fn run(
         &self,
         seqs: &[SeqChunk<'_>],
@@ -321,14 +359,81 @@ impl<D: DeviceOps> DeviceLlama<D> {
         let g = &*self.dev;
         g.bind().map_err(dev_err)?;
         g.upload(&mut s.meta, 0, &meta).map_err(dev_err)?;
+        // The per-row attention kernel's rows (decodes, or every row), split where too few.
+        let split = if tiled {
+            let rows = plan.decode_rows.iter().map(|&r| r as usize);
+            self.split(rows, &plan.pos, s.partials.ptr())
+        } else {
+            self.split(0..n, &plan.pos, s.partials.ptr())
+        };
+        let shape = StepShape {
+            n,
+            p,
+            at,
+            tiled,
+            n_decode: plan.decode_rows.len(),
+            n_tiles: plan.tile_row0.len(),
+            split,
+            greedy,
+            gemv_rows: self.gemv_max_rows.load(Ordering::Relaxed),
+            fuse_norm: self.fused_norm.load(Ordering::Relaxed),
+        };
+        let decode_only = n == seqs.len();
+        let launches = if decode_only && self.use_graphs.load(Ordering::Relaxed) {
+            let key = GraphKey {
+                shape,
+                kv: (
+                    kv.k.ptr(),
+                    kv.v.ptr(),
+                    kv.layout.block_size,
+                    kv.layout.block_stride(),
+                ),
+            };
+            let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+            graphs.run(g, key, || self.enqueue(s, kv, &shape))?
+        } else {
+            self.enqueue(s, kv, &shape)?
+        };
+        self.gemv_launches.fetch_add(launches, Ordering::Relaxed);
+        if greedy {
+            return Ok(Step::Ids(download::<D, u32>(g, &s.ids, p)?));
+        }
+        Ok(Step::Logits(download::<D, f32>(
+            g,
+            &s.logits,
+            p * c.vocab_size,
+        )?))
+    }
+
+    /// Queues a step's work (everything between the plan's upload and the download of its
+    /// result) with the arguments `shape` fixes; returns the matrix-vector launches it made.
+    fn enqueue(
+        &self,
+        s: &Scratch<D::Buf>,
+        kv: &DeviceKv<D::Buf>,
+        shape: &StepShape,
+    ) -> Result<u64, RuntimeError> {
+        let c = &self.cfg;
+        let g = &*self.dev;
+        let StepShape {
+            n,
+            p,
+            at,
+            tiled,
+            n_decode,
+            n_tiles,
+            split,
+            greedy,
+            gemv_rows,
+            fuse_norm,
+        } = *shape;
         let m = s.meta.ptr();
+        let gemv_launches = std::cell::Cell::new(0u64);
         let (h, ffn, qd, kvd) = (c.hidden_size, c.intermediate_size, c.q_dim(), c.kv_dim());
         let eps = c.rms_norm_eps as f32;
         let dims = self.dims();
         let act = self.act;
         let e = dev_err;
-        let gemv_rows = self.gemv_max_rows.load(Ordering::Relaxed);
-        let fuse_norm = self.fused_norm.load(Ordering::Relaxed);
         // Products sharing their input (q, k, v; gate, up): one matrix-vector launch where the
         // kernel takes them all (decode rows), cuBLAS otherwise. With `norm` the input is the
         // RMSNorm of the f32 residual `x`: folded into the matrix-vector kernel when it runs,
@@ -368,7 +473,7 @@ impl<D: DeviceOps> DeviceLlama<D> {
             if let Some(w) = norm {
                 let fused = input(x, Elem::F32, Some(GemvNorm { w, eps }));
                 if same && fuse_norm && fused.fits(w0.kind, outs, gemv_rows) {
-                    self.gemv_launches.fetch_add(1, Ordering::Relaxed);
+                    gemv_launches.set(gemv_launches.get() + 1);
                     return g.gemv(w0.kind, outs, &fused, beta).map_err(e);
                 }
                 g.rmsnorm(x, 0, w, rows, w0.cols, eps, s.xn.ptr(), act)
@@ -377,7 +482,7 @@ impl<D: DeviceOps> DeviceLlama<D> {
             }
             let plain = input(x, act, None);
             if same && plain.fits(w0.kind, outs, gemv_rows) {
-                self.gemv_launches.fetch_add(1, Ordering::Relaxed);
+                gemv_launches.set(gemv_launches.get() + 1);
                 return g.gemv(w0.kind, outs, &plain, beta).map_err(e);
             }
             for &(w, y) in ws {
@@ -395,13 +500,6 @@ impl<D: DeviceOps> DeviceLlama<D> {
             s.x.ptr(),
         )
         .map_err(e)?;
-        // The per-row attention kernel's rows (decodes, or every row), split where too few.
-        let split = if tiled {
-            let rows = plan.decode_rows.iter().map(|&r| r as usize);
-            self.split(rows, &plan.pos, s.partials.ptr())
-        } else {
-            self.split(0..n, &plan.pos, s.partials.ptr())
-        };
         for (li, l) in self.layers.iter().enumerate() {
             let qkv = [(&l.q, s.q.ptr()), (&l.k, s.k.ptr()), (&l.v, s.v.ptr())];
             prod(&qkv, s.x.ptr(), Some(l.attn_norm.ptr()), n, 0.0)?;
@@ -443,19 +541,18 @@ impl<D: DeviceOps> DeviceLlama<D> {
             if tiled {
                 // Decodes: the per-row kernel (positions spread over its warps); prefill
                 // chunks: tiles sharing staged keys and values.
-                if !plan.decode_rows.is_empty() {
+                if n_decode > 0 {
                     let p = Paging {
                         rows: m + at.decode_rows,
                         ..paging
                     };
-                    let nd = plan.decode_rows.len();
-                    g.attention(q, kc, vc, kv.kind, p, nd, dims, att, act, split)
+                    g.attention(q, kc, vc, kv.kind, p, n_decode, dims, att, act, split)
                         .map_err(e)?;
                 }
                 let tiles = Tiles {
                     row0: m + at.tile_row0,
                     count: m + at.tile_rows,
-                    n: plan.tile_row0.len(),
+                    n: n_tiles,
                 };
                 g.attention_prefill(q, kc, vc, kv.kind, tiles, paging, dims, att, act)
                     .map_err(e)?;
@@ -485,13 +582,8 @@ impl<D: DeviceOps> DeviceLlama<D> {
         if greedy {
             g.argmax_rows(s.logits.ptr(), p, c.vocab_size, s.ids.ptr())
                 .map_err(e)?;
-            return Ok(Step::Ids(download::<D, u32>(g, &s.ids, p)?));
         }
-        Ok(Step::Logits(download::<D, f32>(
-            g,
-            &s.logits,
-            p * c.vocab_size,
-        )?))
+        Ok(gemv_launches.get())
     }
 }
 
