@@ -18,11 +18,14 @@
 //!   per step: the download of the logits, or of one id per sequence.
 //! * **Decode products** can go to matrix-vector kernels instead of cuBLAS (opt-in,
 //!   `THAW_CUDA_GEMV_ROWS`): products sharing their input (q/k/v, gate/up) in one launch, the
-//!   RMSNorm before them folded in. The first such kernel lost to cuBLAS on an H200; this one
-//!   (rewritten, see gemv.cu) is not measured on a GPU yet, so cuBLAS stays the default until
-//!   a run shows it winning (docs/PERFORMANCE.md).
+//!   RMSNorm before them folded in, one-row products with 16-byte loads (the loader puts every
+//!   tensor of a checkpoint on 16-byte device boundaries). The first such kernel lost to cuBLAS
+//!   on an H200; this one (rewritten, see gemv.cu) is not measured on a GPU yet, so cuBLAS stays
+//!   the default until a run shows it winning (docs/PERFORMANCE.md).
 //! * **Long rows' decode attention** is split over blocks (flash-decoding, [`Split`]) where one
 //!   block per row and KV head would leave the device mostly idle.
+//! * **Decode steps can be replayed as CUDA graphs** (opt-in, `THAW_CUDA_GRAPHS`; `graphs.rs`):
+//!   the step's launches recorded once per shape, then one launch per step.
 //! * **Precision** follows the weights: bf16/f16 weights take bf16/f16 activations into cuBLAS
 //!   (f32 accumulation, tensor cores) and a bf16 KV cache, like the CPU's AVX512-BF16 path;
 //!   f32 weights stay f32 end to end (no TF32), for a tight comparison with the CPU.
@@ -341,7 +344,7 @@ impl<D: DeviceOps> DeviceLlama<D> {
 
     /// One step; with `greedy`, the logits stay on the device and only each sequence's argmax
     /// id comes back. A decode step (one token per sequence) with graphs on replays the
-    /// recording of its batch shape ([`graphs`]), recording it first if there is none.
+    /// recording of its batch shape (`graphs.rs`), recording it first if there is none.
     fn run(
         &self,
         seqs: &[SeqChunk<'_>],
