@@ -8,9 +8,10 @@
 #
 # The run: GPU tests (kernels, loader), then synthetic checkpoints made on the host
 # (`bench-coldstart synth`: SmolLM2-shaped f32 and bf16, Llama-3-8B-shaped bf16), then
-# `bench-coldstart gpu`: CUDA vs CPU logits and greedy ids, pinned H2D floor, 8B load GB/s and
-# cold-start phases, prefill A/B (tiled vs per-row attention), batch-1/batch-32 decode vs the HBM
-# roofline; then `thaw serve --device cuda` answering /invoke, and fresh-process cold starts
+# `bench-coldstart gpu`: CUDA vs CPU logits and greedy ids (cuBLAS and matrix-vector products,
+# queued and replayed as CUDA graphs), the small models' decode queued vs graphs, pinned H2D
+# floor, 8B load GB/s and cold-start phases, load sweep (staging ring vs pinned in place),
+# prefill A/B (tiled vs per-row attention), batch-1..32 decode A/Bs vs the HBM roofline; then `thaw serve --device cuda` answering /invoke, and fresh-process cold starts
 # (`bench-coldstart coldstart`, --device cuda vs cpu). Results: $OUT/gpu-check.json, coldstart.md,
 # the log (OUT defaults to target/gpu-check).
 set -euo pipefail

@@ -97,6 +97,7 @@ fn check(spec: &str, device: usize) -> Result<Value> {
     // in), each queued launch by launch and replayed from recorded decode steps (CUDA graphs):
     // each must pass on its own.
     let gemv = thaw_kernels::device::GEMV_MAX_ROWS;
+    let gemv_default = gpu.gemv_max_rows();
     for (mode, gemv_rows, graphs) in [
         ("cuBLAS", 0, false),
         ("gemv", gemv, false),
@@ -153,7 +154,24 @@ fn check(spec: &str, device: usize) -> Result<Value> {
         all_ok &= ok;
         modes.push(v);
     }
-    Ok(json!({"model": dir, "modes": modes, "pass": all_ok}))
+    // A small model's decode is launch-bound (8 small kernels a layer): the regime where
+    // replaying recorded steps should gain most. Default products, queued vs replayed.
+    gpu.set_gemv_max_rows(gemv_default);
+    let mut decode = vec![];
+    for batch in [1usize, 16] {
+        for graphs in [false, true] {
+            gpu.set_graphs(graphs);
+            let r = decode_rate(&gpu, batch, 64, 32)?;
+            let how = if graphs { "graphs" } else { "queued" };
+            println!(
+                "decode {} batch {batch:>2} ({how}): {r:.1} tokens/s",
+                dir.display()
+            );
+            decode.push(json!({"batch": batch, "graphs": graphs, "tokens_per_s": r}));
+        }
+    }
+    gpu.set_graphs(false);
+    Ok(json!({"model": dir, "modes": modes, "decode": decode, "pass": all_ok}))
 }
 
 /// Seconds of each of `passes` prefills of one `len`-token prompt (a fresh cache, the same
