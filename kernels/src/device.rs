@@ -283,8 +283,8 @@ pub trait DeviceOps: Send + Sync + 'static {
     type Graph: Send + 'static;
     /// Until [`DeviceOps::end_capture`], the work this thread queues is recorded instead of run,
     /// with the arguments it is given — pointers, sizes, scalars all fixed in the recording.
-    /// Uploads and downloads are refused meanwhile (they stay outside: a step uploads its plan,
-    /// replays, then downloads).
+    /// Allocations, uploads and downloads are refused meanwhile (they stay outside: a step
+    /// uploads its plan, replays, then downloads).
     fn begin_capture(&self) -> Result<(), Self::Error>;
     /// Ends the capture begun last (call it also when queueing failed midway) and returns
     /// what it recorded.

@@ -223,6 +223,10 @@ impl DeviceOps for Emu {
     type Error = EmuError;
 
     fn alloc(&self, bytes: usize) -> Result<EmuBuf, EmuError> {
+        // As `cuMemAlloc` on a capturing thread (thread-local capture mode).
+        if self.capturing() {
+            return Err(EmuError("an allocation during a capture".into()));
+        }
         Ok(EmuBuf {
             mem: vec![Granule([0; 256]); bytes.div_ceil(256).max(1)],
             len: bytes,
