@@ -340,14 +340,17 @@ fn big_model(dir: &PathBuf, a: &GpuArgs, h2d: f64, read_bw: f64) -> Result<Value
     let gemv_default = m.gemv_max_rows();
     let mut dec = vec![];
     // Decode A/B in one run: the matrix-vector kernels (rows ≤ GEMV_MAX_ROWS) vs cuBLAS alone.
-    // "gemv": as the model would run them (one row: 16-byte loads, the checkpoint's tensors
-    // being 16-byte aligned on the device); "gemv-8B": one row with 8-byte loads; "gemv-unfused"
+    // "gemv": as the model would run them (one row: x staged in shared memory, a warp per 2
+    // outputs, 16-byte loads — the checkpoint's tensors are 16-byte aligned on the device);
+    // "gemv-block": one row by a block per 4 outputs (K split over the block), 16-byte loads;
+    // "gemv-8B": that with 8-byte loads; "gemv-unfused"
     // runs the RMSNorms as kernels of their own instead of folding them into the products;
     // "gemv-persistent" launches only the blocks the device holds at once; "+graphs": each
     // decode step replayed from a recording of its shape (CUDA graphs) instead of queued
     // launch by launch.
     let modes = [
         (1usize, "gemv"),
+        (1, "gemv-block"),
         (1, "gemv-8B"),
         (1, "gemv-unfused"),
         (1, "gemv-persistent"),
@@ -377,6 +380,10 @@ fn big_model(dir: &PathBuf, a: &GpuArgs, h2d: f64, read_bw: f64) -> Result<Value
         m.device()
             .gemv_vec16
             .store(kernels != "gemv-8B", std::sync::atomic::Ordering::Relaxed);
+        m.device().gemv_warp_rows.store(
+            !matches!(kernels, "gemv-block" | "gemv-8B"),
+            std::sync::atomic::Ordering::Relaxed,
+        );
         m.set_fused_norm(kernels != "gemv-unfused");
         m.device().gemv_persistent.store(
             kernels == "gemv-persistent",
@@ -403,6 +410,9 @@ fn big_model(dir: &PathBuf, a: &GpuArgs, h2d: f64, read_bw: f64) -> Result<Value
     m.set_graphs(false);
     m.device()
         .gemv_vec16
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    m.device()
+        .gemv_warp_rows
         .store(true, std::sync::atomic::Ordering::Relaxed);
     m.set_fused_norm(true);
     m.device()

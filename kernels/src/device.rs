@@ -150,6 +150,14 @@ pub const GEMV_MAX_ROWS: usize = 8;
 /// Most matrices one [`DeviceOps::gemv`] launch multiplies by the same activations.
 pub const GEMV_MAX_OUTS: usize = 3;
 
+/// Shared memory for the activations of the warp-per-rows kernel `gemv1r` (gemv.cu's
+/// GEMV_XS_BYTES): 20480 bf16 or 10240 f32 elements — an 8B Llama's widest input (the down
+/// product's 14336) and Qwen2-7B's (18944) fit.
+pub const GEMV_XS_BYTES: usize = 40960;
+
+/// Outputs per block of `gemv1r` with 8 warps (GEMV_WR = 2 rows a warp).
+pub const GEMV_WARP_ROWS_PER_BLOCK: usize = 16;
+
 /// The activations of a [`DeviceOps::gemv`] launch: `rows` rows of `in_dim` elements of `kind`
 /// at `x` (W's kind, or f32 with `norm`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -189,8 +197,15 @@ impl GemvIn {
                 .all(|o| gemv_fits(o.w, self.x, self.in_dim, self.rows, max_rows))
     }
 
-    /// Whether the product can also take 16-byte loads (the one-row kernel `gemv1v`): rows of
-    /// a multiple of 8 elements, every W, x and the norm's weights 16-byte aligned.
+    /// Whether the one-row kernel that stages x in shared memory (`gemv1r`) can hold this x:
+    /// `in_dim` elements of W's kind within [`GEMV_XS_BYTES`] (it also needs [`GemvIn::vec16`]).
+    pub fn stages(&self, w_kind: Elem) -> bool {
+        self.in_dim * w_kind.bytes() <= GEMV_XS_BYTES
+    }
+
+    /// Whether the product can also take 16-byte loads (the one-row kernels `gemv1v`,
+    /// `gemv1r`): rows of a multiple of 8 elements, every W, x and the norm's weights 16-byte
+    /// aligned.
     pub fn vec16(&self, outs: &[GemvOut]) -> bool {
         self.in_dim.is_multiple_of(8)
             && self.x.is_multiple_of(16)

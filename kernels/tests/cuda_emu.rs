@@ -533,7 +533,7 @@ fn argmax_rows_picks_the_first_maximum() {
     }
 }
 
-/// The matrix-vector kernels (`gemv`, `gemv1`, `gemv1v`) against the GEMM's definition
+/// The matrix-vector kernels (`gemv`, `gemv1`, `gemv1v`, `gemv1r`) against the GEMM's definition
 /// (computed in f64) for f32 and bf16 weights; one matrix and three sharing x in one launch (the
 /// last group of outputs of each partial); widths below, past and not multiples of a block's
 /// stride (4 elements a thread, 8 with 16-byte loads: 1028 is refused by those); 1..=8 rows; beta 0 (y never read: it starts NaN) and beta 1
@@ -602,8 +602,10 @@ fn gemv_matches_the_gemm_for_decode_rows() {
                 (GemvKernel::Rows, GEMV_MAX_ROWS),
                 (GemvKernel::One, 1),
                 (GemvKernel::OneVec16, 1),
+                (GemvKernel::OneWarpRows, 1),
             ] {
-                if kernel == GemvKernel::OneVec16 && in_dim % 8 != 0 {
+                let vec16 = matches!(kernel, GemvKernel::OneVec16 | GemvKernel::OneWarpRows);
+                if vec16 && in_dim % 8 != 0 {
                     continue; // refused: below
                 }
                 let xf = r.vec(rows * in_dim);
@@ -769,6 +771,10 @@ fn gemv_matches_the_gemm_for_decode_rows() {
     }
     .vec16(&[o(a)]));
     assert!(!GemvIn { in_dim: 68, ..x16 }.vec16(&[o(a)]));
+    // The warp-per-rows kernel holds x in 40 KiB of shared memory: 10240 f32 or 20480 bf16.
+    let stages = |in_dim: usize, kind: Elem| GemvIn { in_dim, ..x16 }.stages(kind);
+    assert!(stages(10240, Elem::F32) && !stages(10248, Elem::F32));
+    assert!(stages(20480, Elem::Bf16) && !stages(20488, Elem::Bf16));
     let plain = x(1, Elem::F32, false);
     assert!(dev
         .gemv_kernel(GemvKernel::OneVec16, Elem::F32, &[o(a + 8)], &plain, 0.0)

@@ -121,12 +121,13 @@ fn device_model_matches_the_cpu_model_on_tiny_checkpoints() {
                 gemv_rows > 0,
                 "{what}: {used} matrix-vector launches"
             );
-            // One-row products take the 16-byte loads' kernel, never the 8-byte one: the
-            // data sections sit on the device's allocation boundaries, so every tensor is
-            // 16-byte aligned whatever the file's header length.
+            // One-row products take a 16-byte loads' kernel (here the warp-per-rows one: the
+            // activations fit shared memory), never the 8-byte one: the data sections sit on
+            // the device's allocation boundaries, so every tensor is 16-byte aligned whatever
+            // the file's header length.
             let runs = |k| dev.device().gemv_runs(k);
             assert_eq!(runs(GemvKernel::One), 0, "{what}");
-            assert_eq!(runs(GemvKernel::OneVec16) > 0, gemv_rows > 0, "{what}");
+            assert_eq!(runs(GemvKernel::OneWarpRows) > 0, gemv_rows > 0, "{what}");
             let (ep, eb) = (rel_err(&dp, &cp, vocab), rel_err(&db, &cb, vocab));
             eprintln!(
                 "{what}: prefill rel err {ep:.2e}, batched step {eb:.2e}, {used} gemv launches"

@@ -113,6 +113,8 @@ void thaw_emu_gemv(int which, unsigned grid, unsigned block, const void* w0, con
             gemv1(w0, w1, w2, y0, y1, y2, n0, n1, n2, w_kind, x, rows, K, norm, eps, beta);
         else if (which == 2)
             gemv1v(w0, w1, w2, y0, y1, y2, n0, n1, n2, w_kind, x, rows, K, norm, eps, beta);
+        else if (which == 3)
+            gemv1r(w0, w1, w2, y0, y1, y2, n0, n1, n2, w_kind, x, rows, K, norm, eps, beta);
         else
             gemv(w0, w1, w2, y0, y1, y2, n0, n1, n2, w_kind, x, rows, K, norm, eps, beta);
     });

@@ -42,7 +42,7 @@ impl std::error::Error for EmuError {}
 #[derive(Default)]
 pub struct Emu {
     /// Launches of each matrix-vector kernel ([`GemvKernel`] order) that ran the kernel itself.
-    gemv_runs: [std::sync::atomic::AtomicU64; 3],
+    gemv_runs: [std::sync::atomic::AtomicU64; 4],
     /// While capturing: the operations queued so far, each with its arguments fixed.
     capture: std::sync::Mutex<Option<Vec<Op>>>,
 }
@@ -77,6 +77,9 @@ pub enum GemvKernel {
     One,
     /// `gemv1v`: one row, 4 outputs per block, 16-byte loads ([`GemvIn::vec16`] products).
     OneVec16,
+    /// `gemv1r`: one row, x staged in shared memory, a warp per 2 outputs, 16-byte loads
+    /// ([`GemvIn::vec16`] products whose x [`GemvIn::stages`]).
+    OneWarpRows,
 }
 
 impl Emu {
@@ -126,7 +129,12 @@ impl Emu {
         } else {
             1
         };
-        if !x.fits(w_kind, outs, rows_max) || (kernel == GemvKernel::OneVec16 && !x.vec16(outs)) {
+        let vec16_ok = match kernel {
+            GemvKernel::OneVec16 => x.vec16(outs),
+            GemvKernel::OneWarpRows => x.vec16(outs) && x.stages(w_kind),
+            _ => true,
+        };
+        if !x.fits(w_kind, outs, rows_max) || !vec16_ok {
             return Err(EmuError(format!(
                 "gemv of {} rows of {} into {} matrices: unsupported",
                 x.rows,
@@ -168,6 +176,7 @@ impl Emu {
             GemvKernel::Rows => 0,
             GemvKernel::One => 1,
             GemvKernel::OneVec16 => 2,
+            GemvKernel::OneWarpRows => 3,
         };
         // A small grid of small blocks (the kernel strides its output groups over the grid):
         // every emulated thread is an OS thread.
@@ -610,8 +619,10 @@ impl DeviceOps for Emu {
         })
     }
     fn gemv(&self, w_kind: Elem, outs: &[GemvOut], x: &GemvIn, beta: f32) -> Result<(), EmuError> {
-        // As the GPU picks (`Gpu::gemv_vec16` on, its default).
-        let kernel = if x.rows == 1 && x.vec16(outs) {
+        // As the GPU picks (`Gpu::gemv_vec16` and `gemv_warp_rows` on, its defaults).
+        let kernel = if x.rows == 1 && x.vec16(outs) && x.stages(w_kind) {
+            GemvKernel::OneWarpRows
+        } else if x.rows == 1 && x.vec16(outs) {
             GemvKernel::OneVec16
         } else if x.rows == 1 {
             GemvKernel::One

@@ -40,6 +40,7 @@ pub const KERNELS: &[&str] = &[
     "gemv",
     "gemv1",
     "gemv1v",
+    "gemv1r",
     "read_probe",
 ];
 

@@ -259,3 +259,125 @@ __device__ __forceinline__ void gemv_body(GEMV_ARGS, float (*red)[OUTS * ROWS + 
 KERNEL void gemv(GEMV_ARGS) { GEMV_CALL(GEMV_MAX_ROWS, 4, 4) }
 KERNEL void gemv1(GEMV_ARGS) { GEMV_CALL(1, 4, 4) }
 KERNEL void gemv1v(GEMV_ARGS) { GEMV_CALL(1, 4, 8) }
+
+// One-row products, a warp per GEMV_WR outputs (`gemv1r`): the activations are staged once per
+// block in shared memory (normalized and rounded to W's kind under a norm, exactly as the
+// `rmsnorm` kernel stores them), then each warp streams its rows with 16-byte loads — GEMV_WU
+// loads of each row in flight per lane — and reduces within the warp. Unlike `gemv1v`, no block
+// barrier follows the staging: a warp that finishes its rows frees its registers at once, and
+// the block-wide reduction after every group of outputs is gone. 16-byte aligned operands, K a
+// multiple of 8 and K elements of W's kind within GEMV_XS_BYTES (the caller checks).
+#define GEMV_WR 2
+#define GEMV_WU 4
+#define GEMV_XS_BYTES 40960  // (with the rest, within the 48 KiB of static shared memory)
+
+template <int WK, bool NORM>
+__device__ __forceinline__ void gemv_warp_body(GEMV_ARGS, unsigned char* xs, float* red) {
+    (void)w_kind;
+    (void)rows;  // one row
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5, nwarps = blockDim.x >> 5;
+    const int nv = K / 8;  // 8-element vectors per row
+    float scale = 1.0f;
+    if (NORM) {
+        float ss = 0.0f;
+        for (int v = t; v < nv; v += blockDim.x) {
+            float xv[8];
+            loadv<0, 8, false>(x, 8 * (i64)v, xv);
+            #pragma unroll
+            for (int i = 0; i < 8; i++) ss += xv[i] * xv[i];
+        }
+        ss = warp_sum(ss);
+        if (lane == 0) red[warp] = ss;
+        __syncthreads();
+        float sq = 0.0f;
+        for (int k = 0; k < nwarps; k++) sq += red[k];
+        scale = 1.0f / sqrtf(sq / (float)K + eps);
+    }
+    // x (or its norm) into shared memory, in W's kind.
+    for (int v = t; v < nv; v += blockDim.x) {
+        float xv[8];
+        loadv<NORM ? 0 : WK, 8, false>(x, 8 * (i64)v, xv);
+        if (NORM) {
+            float nw[8];
+            loadv<0, 8, false>(norm, 8 * (i64)v, nw);
+            #pragma unroll
+            for (int i = 0; i < 8; i++) xv[i] = round_to<WK>(xv[i] * scale * nw[i]);
+        }
+        if (WK == 1) {
+            unsigned p[4];
+            #pragma unroll
+            for (int i = 0; i < 4; i++)
+                p[i] = (unsigned)f32_to_bf16(xv[2 * i]) | ((unsigned)f32_to_bf16(xv[2 * i + 1]) << 16);
+            ((uint4*)xs)[v] = uint4{p[0], p[1], p[2], p[3]};
+        } else {
+            #pragma unroll
+            for (int i = 0; i < 8; i++) ((float*)xs)[8 * v + i] = xv[i];
+        }
+    }
+    __syncthreads();
+    const int per_block = nwarps * GEMV_WR;
+    const int b0 = (n0 + per_block - 1) / per_block, b1 = (n1 + per_block - 1) / per_block;
+    const int total = b0 + b1 + (n2 + per_block - 1) / per_block;
+    for (int b = blockIdx.x; b < total; b += gridDim.x) {
+        const int m = b < b0 ? 0 : b < b0 + b1 ? 1 : 2;
+        const int N = m == 0 ? n0 : m == 1 ? n1 : n2;
+        const int o0 = (b - (m == 0 ? 0 : m == 1 ? b0 : b0 + b1)) * per_block + warp * GEMV_WR;
+        if (o0 >= N) continue;  // (no block barrier below)
+        const void* w = m == 0 ? w0 : m == 1 ? w1 : w2;
+        float acc[GEMV_WR];
+        #pragma unroll
+        for (int r = 0; r < GEMV_WR; r++) acc[r] = 0.0f;
+        for (int v0 = lane; v0 < nv; v0 += 32 * GEMV_WU) {
+            int vs[GEMV_WU];
+            bool ok[GEMV_WU];
+            #pragma unroll
+            for (int u = 0; u < GEMV_WU; u++) {
+                const int v = v0 + 32 * u;
+                ok[u] = v < nv;
+                vs[u] = ok[u] ? v : v0;
+            }
+            // All GEMV_WU·GEMV_WR weight loads issue before the first multiply (a step past
+            // the row re-reads the pass's first vector and is not added; a row past N re-reads
+            // row o0 and is not stored).
+            float wv[GEMV_WU][GEMV_WR][8];
+            #pragma unroll
+            for (int u = 0; u < GEMV_WU; u++) {
+                #pragma unroll
+                for (int r = 0; r < GEMV_WR; r++) {
+                    const int row = o0 + (o0 + r < N ? r : 0);
+                    loadv<WK, 8, true>(w, (i64)row * K + 8 * (i64)vs[u], wv[u][r]);
+                }
+            }
+            #pragma unroll
+            for (int u = 0; u < GEMV_WU; u++) {
+                if (!ok[u]) continue;
+                float xv[8];
+                loadv<WK, 8, false>(xs, 8 * (i64)vs[u], xv);
+                #pragma unroll
+                for (int r = 0; r < GEMV_WR; r++) {
+                    #pragma unroll
+                    for (int i = 0; i < 8; i++) acc[r] += wv[u][r][i] * xv[i];
+                }
+            }
+        }
+        float* y = m == 0 ? y0 : m == 1 ? y1 : y2;
+        #pragma unroll
+        for (int r = 0; r < GEMV_WR; r++) {
+            const float v = warp_sum(acc[r]);
+            if (lane == 0 && o0 + r < N) y[o0 + r] = beta == 0.0f ? v : v + beta * y[o0 + r];
+        }
+    }
+}
+
+KERNEL void gemv1r(GEMV_ARGS) {
+    __shared__ uint4 xs4[GEMV_XS_BYTES / 16];  // (uint4: 16-byte aligned)
+    unsigned char* xs = (unsigned char*)xs4;
+    __shared__ float red[GEMV_MAX_WARPS];
+    if (norm) {
+        if (w_kind == 1) gemv_warp_body<1, true>(w0, w1, w2, y0, y1, y2, n0, n1, n2, w_kind, x, rows, K, norm, eps, beta, xs, red);
+        else gemv_warp_body<0, true>(w0, w1, w2, y0, y1, y2, n0, n1, n2, w_kind, x, rows, K, norm, eps, beta, xs, red);
+    } else {
+        if (w_kind == 1) gemv_warp_body<1, false>(w0, w1, w2, y0, y1, y2, n0, n1, n2, w_kind, x, rows, K, norm, eps, beta, xs, red);
+        else gemv_warp_body<0, false>(w0, w1, w2, y0, y1, y2, n0, n1, n2, w_kind, x, rows, K, norm, eps, beta, xs, red);
+    }
+}

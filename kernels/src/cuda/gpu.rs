@@ -84,18 +84,22 @@ struct Kernels {
     gemv: CudaFunction,
     gemv1: CudaFunction,
     gemv1v: CudaFunction,
+    gemv1r: CudaFunction,
     read_probe: CudaFunction,
 }
 
 pub struct Gpu {
-    /// One-row products take 16-byte loads (`gemv1v`) where they are 16-byte aligned (default;
-    /// off: 8-byte loads, `gemv1`, for A/B measurements).
+    /// One-row products take 16-byte loads (`gemv1r`, `gemv1v`) where they are 16-byte aligned
+    /// (default; off: 8-byte loads, `gemv1`, for A/B measurements).
     pub gemv_vec16: std::sync::atomic::AtomicBool,
+    /// Of those, the ones whose activations fit shared memory go to the warp-per-rows kernel
+    /// `gemv1r` (default; off: the block-per-4-outputs `gemv1v`, for A/B measurements).
+    pub gemv_warp_rows: std::sync::atomic::AtomicBool,
     /// `gemv` launches only as many blocks as the device holds at once (each strides over
     /// output groups, computing a folded norm once) instead of one block per group.
     pub gemv_persistent: std::sync::atomic::AtomicBool,
-    /// Blocks of 256 threads of `gemv`, `gemv1`, `gemv1v` the device holds at once.
-    gemv_resident: [u32; 3],
+    /// Blocks of 256 threads of `gemv`, `gemv1`, `gemv1v`, `gemv1r` the device holds at once.
+    gemv_resident: [u32; 4],
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
     blas: CudaBlas,
@@ -171,6 +175,7 @@ impl Gpu {
             gemv: f("gemv")?,
             gemv1: f("gemv1")?,
             gemv1v: f("gemv1v")?,
+            gemv1r: f("gemv1r")?,
             read_probe: f("read_probe")?,
         };
         // SAFETY: only probes whether the library can be opened (cudarc panics on a call into a
@@ -202,10 +207,16 @@ impl Gpu {
                 .unwrap_or(1);
             per_sm.max(1) * info.sm_count as u32
         };
-        let gemv_resident = [resident(&k.gemv), resident(&k.gemv1), resident(&k.gemv1v)];
+        let gemv_resident = [
+            resident(&k.gemv),
+            resident(&k.gemv1),
+            resident(&k.gemv1v),
+            resident(&k.gemv1r),
+        ];
         let module_s = t.elapsed().as_secs_f64();
         Ok(Gpu {
             gemv_vec16: std::sync::atomic::AtomicBool::new(true),
+            gemv_warp_rows: std::sync::atomic::AtomicBool::new(true),
             gemv_persistent: std::sync::atomic::AtomicBool::new(false),
             gemv_resident,
             ctx,
@@ -669,7 +680,8 @@ impl DeviceOps for Gpu {
         }
         .map_err(drv)
     }
-    /// A block of 256 threads per 4 outputs, up to three matrices per launch.
+    /// A block of 256 threads per 4 outputs (`gemv1r`: per 16, a warp per 2), up to three
+    /// matrices per launch.
     fn gemv(
         &self,
         w_kind: Elem,
@@ -689,12 +701,17 @@ impl DeviceOps for Gpu {
         }
         let n = x.rows;
         let vec16 = n == 1 && self.gemv_vec16.load(Relaxed) && x.vec16(outs);
-        let (f, resident) = match (n, vec16) {
-            (1, true) => (&self.k.gemv1v, self.gemv_resident[2]),
-            (1, false) => (&self.k.gemv1, self.gemv_resident[1]),
-            _ => (&self.k.gemv, self.gemv_resident[0]),
+        let warp_rows = vec16 && self.gemv_warp_rows.load(Relaxed) && x.stages(w_kind);
+        let (f, resident, per_block) = match (n, vec16, warp_rows) {
+            (1, true, true) => (
+                &self.k.gemv1r,
+                self.gemv_resident[3],
+                crate::device::GEMV_WARP_ROWS_PER_BLOCK,
+            ),
+            (1, true, false) => (&self.k.gemv1v, self.gemv_resident[2], 4),
+            (1, false, _) => (&self.k.gemv1, self.gemv_resident[1], 4),
+            _ => (&self.k.gemv, self.gemv_resident[0], 4),
         };
-        let per_block = 4;
         let (mut w, mut y, mut dims) = ([0u64; 3], [0u64; 3], [0i32; 3]);
         for (i, o) in outs.iter().enumerate() {
             (w[i], y[i], dims[i]) = (o.w, o.y, o.out_dim as i32);
