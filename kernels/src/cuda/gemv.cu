@@ -255,7 +255,8 @@ __device__ __forceinline__ void gemv_body(GEMV_ARGS, float (*red)[OUTS * ROWS + 
 
 // Batch rows 2..=8 (registers for 8 rows), one row (the decode that matters: fewer registers,
 // more blocks resident), one row with 16-byte loads (twice the bytes in flight per thread for
-// the same load instructions; `Gpu::gemv_vec16` picks it where the product is 16-byte aligned).
+// the same load instructions; `Gpu::gemv_vec16` picks it where the product is 16-byte aligned
+// and `gemv1r` below does not take it).
 KERNEL void gemv(GEMV_ARGS) { GEMV_CALL(GEMV_MAX_ROWS, 4, 4) }
 KERNEL void gemv1(GEMV_ARGS) { GEMV_CALL(1, 4, 4) }
 KERNEL void gemv1v(GEMV_ARGS) { GEMV_CALL(1, 4, 8) }
