@@ -223,6 +223,16 @@ fn decode_steps_replay_recorded_graphs_exactly() {
     assert_eq!(st.captures + st.replays, 11);
     m.set_gemv_max_rows(thaw_kernels::device::GEMV_MAX_ROWS);
     assert_eq!(m.graph_stats().held, 0);
+    // A device that refuses to record fails no step: graphs turn off and the steps are queued.
+    m.set_gemv_max_rows(0);
+    m.device().set_refuse_captures(true);
+    let refused = run(true);
+    assert!(!m.graphs_on());
+    assert_eq!(m.graph_stats().captures, st.captures);
+    assert!(
+        refused == queued,
+        "steps after a refused capture differ from queued ones"
+    );
 }
 
 /// The real default model (f32 weights): the device model generates the CPU model's greedy

@@ -45,6 +45,9 @@ pub struct Emu {
     gemv_runs: [std::sync::atomic::AtomicU64; 4],
     /// While capturing: the operations queued so far, each with its arguments fixed.
     capture: std::sync::Mutex<Option<Vec<Op>>>,
+    /// Refuse to start captures (as a driver without stream capture would): tests of the
+    /// fallback.
+    refuse_captures: std::sync::atomic::AtomicBool,
 }
 
 /// One queued operation, as a capture records it: its arguments are moved in, so a replay
@@ -85,6 +88,12 @@ pub enum GemvKernel {
 impl Emu {
     pub fn new() -> Emu {
         Emu::default()
+    }
+
+    /// From now on, captures are refused (or again allowed).
+    pub fn set_refuse_captures(&self, on: bool) {
+        self.refuse_captures
+            .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Runs `op` now, or records it while a capture is open.
@@ -288,6 +297,14 @@ impl DeviceOps for Emu {
     }
     type Graph = EmuGraph;
     fn begin_capture(&self) -> Result<(), EmuError> {
+        if self
+            .refuse_captures
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            return Err(EmuError(
+                "stream capture is not supported (refused on request)".into(),
+            ));
+        }
         let mut capture = self.capture.lock().unwrap_or_else(|e| e.into_inner());
         if capture.is_some() {
             return Err(EmuError("a capture is already open".into()));

@@ -72,6 +72,15 @@ impl<G> Default for Graphs<G> {
     }
 }
 
+/// What [`Graphs::run`] did.
+pub(super) enum Replayed {
+    /// The step ran from a recording; its matrix-vector launches.
+    Ran(u64),
+    /// The device refused to record (a driver without stream capture, a capture the driver
+    /// invalidated): nothing of the step ran.
+    Refused(String),
+}
+
 /// How often decode steps were recorded and replayed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct GraphStats {
@@ -98,28 +107,34 @@ impl<G> Graphs<G> {
 
     /// Runs the step `key` describes: replays its recording, recording it first through
     /// `enqueue` (which queues the step's work and returns its matrix-vector launches) where
-    /// there is none. Returns the step's matrix-vector launches.
+    /// there is none. Returns the step's matrix-vector launches — or, where the device refused
+    /// to record (nothing of the step has run then), why: the caller queues the step itself.
     pub fn run<D: DeviceOps<Graph = G>>(
         &mut self,
         dev: &D,
         key: GraphKey,
         enqueue: impl FnOnce() -> Result<u64, RuntimeError>,
-    ) -> Result<u64, RuntimeError> {
+    ) -> Result<Replayed, RuntimeError> {
         if let Some(r) = self.map.get(&key) {
             dev.replay(&r.graph).map_err(dev_err)?;
             self.replays += 1;
-            return Ok(r.gemv_launches);
+            return Ok(Replayed::Ran(r.gemv_launches));
         }
         if self.map.len() >= MAX_GRAPHS {
             self.map.clear();
         }
-        dev.begin_capture().map_err(dev_err)?;
+        if let Err(e) = dev.begin_capture() {
+            return Ok(Replayed::Refused(format!("starting a capture: {e}")));
+        }
         let queued = enqueue();
         // Ended whether or not queueing succeeded: a capture left open would swallow the
         // next step's work.
-        let ended = dev.end_capture().map_err(dev_err);
+        let ended = dev.end_capture();
         let gemv_launches = queued?;
-        let graph = ended?;
+        let graph = match ended {
+            Ok(g) => g,
+            Err(e) => return Ok(Replayed::Refused(format!("ending a capture: {e}"))),
+        };
         dev.replay(&graph).map_err(dev_err)?;
         self.captures += 1;
         self.map.insert(
@@ -129,6 +144,6 @@ impl<G> Graphs<G> {
                 gemv_launches,
             },
         );
-        Ok(gemv_launches)
+        Ok(Replayed::Ran(gemv_launches))
     }
 }

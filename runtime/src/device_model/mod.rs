@@ -34,7 +34,7 @@ mod graphs;
 mod load;
 
 pub use graphs::GraphStats;
-use graphs::{GraphKey, Graphs, StepShape};
+use graphs::{GraphKey, Graphs, Replayed, StepShape};
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -201,6 +201,11 @@ impl<D: DeviceOps> DeviceLlama<D> {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clear();
+    }
+
+    /// Whether decode steps replay recordings (on where asked for, until a device refuses).
+    pub fn graphs_on(&self) -> bool {
+        self.use_graphs.load(Ordering::Relaxed)
     }
 
     /// How often decode steps were recorded and replayed.
@@ -393,7 +398,19 @@ impl<D: DeviceOps> DeviceLlama<D> {
                 ),
             };
             let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
-            graphs.run(g, key, || self.enqueue(s, kv, &shape))?
+            match graphs.run(g, key, || self.enqueue(s, kv, &shape))? {
+                Replayed::Ran(launches) => launches,
+                Replayed::Refused(why) => {
+                    // An optimization the device will not do fails no request: steps are
+                    // queued launch by launch from now on.
+                    self.use_graphs.store(false, Ordering::Relaxed);
+                    graphs.clear();
+                    crate::server::log(format_args!(
+                        "CUDA graphs off: the device refused to record a decode step ({why})"
+                    ));
+                    self.enqueue(s, kv, &shape)?
+                }
+            }
         } else {
             self.enqueue(s, kv, &shape)?
         };
