@@ -304,16 +304,17 @@ fn load_sweep(dir: &std::path::Path, device: usize, h2d: f64) -> Result<Value> {
             ),
         };
         println!(
-            "load sweep: {gbs:5.1} GB/s = {:3.0}% of pinned H2D, alloc {:.0} ms, io {:.0} ms — {how}",
+            "load sweep: {gbs:5.1} GB/s = {:3.0}% of pinned H2D, alloc {:.0} ms (device {:.0}), io {:.0} ms — {how}",
             100.0 * gbs * 1e9 / h2d,
             l.alloc_s * 1e3,
+            l.device_alloc_s * 1e3,
             l.stats.io_s * 1e3,
         );
         rows.push(json!({"threads": threads, "chunk": chunk, "write_combined": staging.write_combined,
                          "pin_in_place": l.mapped.is_some(), "pin_depth": staging.pin_depth,
                          "mapped": l.mapped, "fallback": l.stats.fallback,
                          "gb_per_s": gbs, "plan_s": l.stats.plan_s, "read_s": l.stats.io_s,
-                         "alloc_s": l.alloc_s, "copy_wait_s": l.copy_s, "total_s": l.stats.total_s}));
+                         "alloc_s": l.alloc_s, "device_alloc_s": l.device_alloc_s, "copy_wait_s": l.copy_s, "total_s": l.stats.total_s}));
     }
     Ok(json!(rows))
 }
@@ -527,6 +528,27 @@ pub fn run(a: GpuArgs) -> Result<()> {
             info.total_mem >> 30
         );
         let h2d = pinned_h2d(&gpu, 1 << 30, 5)?;
+        // The staging ring's pinned buffers (16 × 8 MiB) allocated one after another vs by 16
+        // threads at once (the loader's way), alternated, best of 3 each.
+        let (mut one_by_one, mut at_once) = (f64::MAX, f64::MAX);
+        for _ in 0..3 {
+            use thaw_loader::cuda::PinnedBuf;
+            let t = Instant::now();
+            let b = (0..16)
+                .map(|_| PinnedBuf::new(&gpu.ctx, 8 << 20, false))
+                .collect::<Result<Vec<_>, _>>()?;
+            one_by_one = one_by_one.min(t.elapsed().as_secs_f64());
+            drop(b);
+            let t = Instant::now();
+            let b = PinnedBuf::many(&gpu.ctx, 16, 8 << 20, false)?;
+            at_once = at_once.min(t.elapsed().as_secs_f64());
+            drop(b);
+        }
+        println!(
+            "pinned staging allocation (16 × 8 MiB): {:.1} ms one by one, {:.1} ms by 16 threads",
+            one_by_one * 1e3,
+            at_once * 1e3
+        );
         let probe: DevBuf = gpu.alloc(4 << 30)?;
         let read_bw = gpu.read_bandwidth(&probe, 5)?;
         println!(
@@ -536,6 +558,7 @@ pub fn run(a: GpuArgs) -> Result<()> {
         );
         let dev = json!({"name": info.name, "compute_capability": [info.compute_capability.0,
                          info.compute_capability.1], "total_mem": info.total_mem,
+                         "pinned_alloc_s": {"one_by_one": one_by_one, "threads": at_once},
                          "init_s": {"context": gpu.init.context_s, "compile": gpu.init.compile_s,
                                     "compile_cache_hit": gpu.init.compile_cache_hit,
                                     "module_load": gpu.init.module_s}});
