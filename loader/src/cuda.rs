@@ -269,12 +269,9 @@ pub fn load_to_device(
     // Write-combined staging only where no hash is computed over the staged bytes.
     let t_alloc = std::time::Instant::now();
     let wc = staging.write_combined && job.expected.is_none();
-    let bufs = PinnedBuf::many(
-        ctx,
-        staging.buffers.max(2),
-        job.plan.chunk_size as usize,
-        wc,
-    )?;
+    // (No more buffers than chunks: a small checkpoint needs no 128 MiB of pinned memory.)
+    let n_bufs = staging.buffers.min(job.plan.chunks.len()).max(2);
+    let bufs = PinnedBuf::many(ctx, n_bufs, job.plan.chunk_size as usize, wc)?;
     let mut dest = StagingRing::new(bufs, CudaCopy::new(ctx)?);
     let pinned_s = t_alloc.elapsed().as_secs_f64();
     let (plan, mut stats) = load_job_into(ck, job, &mut dest, &mut |_| {})?;
