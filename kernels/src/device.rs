@@ -94,13 +94,17 @@ impl Split {
 
     /// `(chunk, n)` for `rows` rows over `kv_heads` KV heads whose longest row has
     /// `max_pos + 1` positions: as many splits as bring the grid to about `target_blocks`, none
-    /// of fewer than `min_chunk` positions; `(0, 1)` where one split per row is all that fits.
+    /// of fewer than `min_chunk` positions, the chunk rounded up to a multiple of `quantum`
+    /// (1: even splits; `min_chunk`: a plan that changes only every `min_chunk` positions or
+    /// more, as recorded decode steps want — their recordings are keyed on it); `(0, 1)` where
+    /// one split per row is all that fits.
     pub fn plan(
         rows: usize,
         kv_heads: usize,
         max_pos: usize,
         target_blocks: usize,
         min_chunk: usize,
+        quantum: usize,
     ) -> (usize, usize) {
         let len = max_pos + 1;
         if min_chunk == 0 {
@@ -110,10 +114,11 @@ impl Split {
         if n <= 1 {
             return (0, 1);
         }
-        // A multiple of the minimum: the plan then changes only every `min_chunk` positions or
-        // more, and so does a CUDA graph recorded with it (the decode step's graphs are keyed
-        // on the split).
-        let chunk = len.div_ceil(n).next_multiple_of(min_chunk);
+        // (Rounded up to at most `min_chunk`'s multiple, the chunk stays below `len`: n ≥ 2
+        // splits need len ≥ 2·min_chunk.)
+        let chunk = len
+            .div_ceil(n)
+            .next_multiple_of(quantum.clamp(1, min_chunk));
         (chunk, len.div_ceil(chunk))
     }
 
@@ -437,14 +442,20 @@ mod tests {
     #[test]
     fn split_plans_cover_long_rows_and_stay_off_short_ones() {
         // An 8B decode row (8 KV heads) on 132 multiprocessors, target 528 blocks.
-        assert_eq!(Split::plan(1, 8, 99, 528, 128), (0, 1));
-        assert_eq!(Split::plan(1, 8, 4095, 528, 128), (128, 32));
-        assert_eq!(Split::plan(32, 8, 4095, 528, 128), (2048, 2));
-        assert_eq!(Split::plan(64, 8, 4095, 528, 128), (0, 1));
-        assert_eq!(Split::plan(1, 8, 4095, 528, 0), (0, 1));
-        for rows in [1usize, 2, 3, 7, 16] {
+        assert_eq!(Split::plan(1, 8, 99, 528, 128, 1), (0, 1));
+        assert_eq!(Split::plan(1, 8, 4095, 528, 128, 1), (128, 32));
+        assert_eq!(Split::plan(32, 8, 4095, 528, 128, 1), (2048, 2));
+        assert_eq!(Split::plan(64, 8, 4095, 528, 128, 1), (0, 1));
+        assert_eq!(Split::plan(1, 8, 4095, 528, 0, 1), (0, 1));
+        // 300 positions in two: even (150 each), or in 128s (256 + 44) for a stable plan.
+        assert_eq!(Split::plan(1, 8, 299, 528, 128, 1), (150, 2));
+        assert_eq!(Split::plan(1, 8, 299, 528, 128, 128), (256, 2));
+        for (rows, quantum) in [1usize, 2, 3, 7, 16]
+            .into_iter()
+            .flat_map(|r| [(r, 1), (r, 16)])
+        {
             for max_pos in [0usize, 15, 16, 31, 127, 128, 1000, 5000] {
-                let (chunk, n) = Split::plan(rows, 2, max_pos, 64, 16);
+                let (chunk, n) = Split::plan(rows, 2, max_pos, 64, 16, quantum);
                 let len = max_pos + 1;
                 if chunk == 0 {
                     assert_eq!(n, 1);
@@ -455,7 +466,10 @@ mod tests {
                     "{rows} rows, {len}: {n} splits"
                 );
                 assert!(
-                    chunk >= 16 && chunk % 16 == 0 && chunk * n >= len && chunk * (n - 1) < len,
+                    chunk >= 16
+                        && chunk % quantum == 0
+                        && chunk * n >= len
+                        && chunk * (n - 1) < len,
                     "{chunk}×{n} for {len}"
                 );
             }

@@ -149,12 +149,14 @@ fn device_model_matches_the_cpu_model_on_tiny_checkpoints() {
     }
 }
 
-/// Decode steps through recorded graphs (a CUDA graph's semantics, emulated: a capture records
-/// each launch with its arguments, a replay runs them again) give exactly the logits and ids of
-/// steps queued launch by launch — over steps whose positions, cache slots and block tables
-/// change (tables grow by a block every 4 positions), whose attention split changes with the
-/// context (unsplit, then split: new recordings), batches of 2 then 1, greedy and not. A setting
-/// that changes the launches drops the recordings.
+/// Decode steps replayed from earlier recordings (a CUDA graph's semantics, emulated: a capture
+/// records each launch with its arguments, a replay runs them again) give exactly the logits and
+/// ids of the same steps each recorded afresh — over steps whose positions, cache slots and block
+/// tables change (tables grow by a block every 4 positions), whose attention split changes with
+/// the context (unsplit, then split: new recordings), batches of 2 then 1, greedy and not — and
+/// the logits of steps queued launch by launch up to rounding (with graphs, long rows split in
+/// coarser chunks). A setting that changes the launches drops the recordings; a device that
+/// refuses to record fails no step.
 #[test]
 fn decode_steps_replay_recorded_graphs_exactly() {
     let d = tempfile::tempdir().unwrap();
@@ -163,7 +165,8 @@ fn decode_steps_replay_recorded_graphs_exactly() {
     let vocab = m.cfg.vocab_size;
     let tok = |i: usize| ((i * 7 + 3) % vocab) as u32;
     // Per step: the logits of a sampled step, or the ids of a greedy one.
-    let run = |graphs: bool| -> Vec<(Vec<f32>, Vec<u32>)> {
+    // `fresh`: every recording dropped before each step, so each step is recorded anew.
+    let run = |graphs: bool, fresh: bool| -> Vec<(Vec<f32>, Vec<u32>)> {
         m.set_graphs(graphs);
         let mut kv = m.new_kv(4, 64).unwrap();
         let (ta, tb): (Vec<u32>, Vec<u32>) = ((0..12).collect(), (20..32).collect());
@@ -202,6 +205,9 @@ fn decode_steps_replay_recorded_graphs_exactly() {
                     table: &tb1,
                 });
             }
+            if fresh {
+                m.clear_graphs();
+            }
             out.push(if step % 3 == 1 {
                 (vec![], m.forward_batch_greedy(&seqs, &mut kv).unwrap())
             } else {
@@ -210,23 +216,34 @@ fn decode_steps_replay_recorded_graphs_exactly() {
         }
         out
     };
-    let queued = run(false);
+    let queued = run(false, false);
     assert_eq!(m.graph_stats().captures, 0);
-    let replayed = run(true);
+    let recorded = run(true, true);
+    let st0 = m.graph_stats();
+    assert_eq!((st0.captures, st0.replays), (11, 0));
+    let replayed = run(true, false);
     let st = m.graph_stats();
     eprintln!("{st:?}");
-    for (i, (q, r)) in queued.iter().zip(&replayed).enumerate() {
-        assert!(q == r, "step {i}: replayed results differ from queued ones");
+    for (i, (f, r)) in recorded.iter().zip(&replayed).enumerate() {
+        assert!(f == r, "step {i}: replayed results differ from fresh recordings");
     }
     // 11 decode steps in 7 shapes (batch 2 unsplit / split / greedy; batch 1); the rest replay.
-    assert!(st.captures >= 4 && st.replays >= 3, "{st:?}");
-    assert_eq!(st.captures + st.replays, 11);
+    let (captures, replays) = (st.captures - st0.captures, st.replays);
+    assert!(captures >= 4 && replays >= 3, "{st:?}");
+    assert_eq!(captures + replays, 11);
+    for (i, (q, r)) in queued.iter().zip(&replayed).enumerate() {
+        assert_eq!(q.1, r.1, "step {i}: greedy ids");
+        if !q.0.is_empty() {
+            let e = rel_err(&r.0, &q.0, vocab);
+            assert!(e < 1e-5, "step {i}: replayed logits {e:.2e} from queued ones");
+        }
+    }
     m.set_gemv_max_rows(thaw_kernels::device::GEMV_MAX_ROWS);
     assert_eq!(m.graph_stats().held, 0);
     // A device that refuses to record fails no step: graphs turn off and the steps are queued.
     m.set_gemv_max_rows(0);
     m.device().set_refuse_captures(true);
-    let refused = run(true);
+    let refused = run(true, false);
     assert!(!m.graphs_on());
     assert_eq!(m.graph_stats().captures, st.captures);
     assert!(

@@ -8,8 +8,8 @@
 //! recordings). What changes from step to step — tokens, positions, cache slots, block tables,
 //! RoPE angles — lives in the plan buffer, uploaded before the replay at offsets that depend
 //! only on the batch's rows (`StepPlan::pack` puts the growing tables last). The split of long
-//! rows' attention changes with the context, at most every `min_chunk` positions
-//! (`Split::plan`), and is part of the key. Prefill steps are queued directly: their shapes
+//! rows' attention changes with the context — with graphs on, at most every `min_chunk`
+//! positions (`Split::plan`'s quantum) — and is part of the key. Prefill steps are queued directly: their shapes
 //! rarely repeat.
 
 use std::collections::HashMap;

@@ -297,7 +297,21 @@ impl<D: DeviceOps> DeviceLlama<D> {
             n += 1;
             max_pos = max_pos.max(pos[r] as usize);
         }
-        match Split::plan(n, self.dims().n_kv_heads, max_pos, target, min_chunk) {
+        // Recorded steps are keyed on the split: coarse chunks keep a recording valid for
+        // `min_chunk` positions or more; queued steps split evenly.
+        let quantum = if self.use_graphs.load(Ordering::Relaxed) {
+            min_chunk
+        } else {
+            1
+        };
+        match Split::plan(
+            n,
+            self.dims().n_kv_heads,
+            max_pos,
+            target,
+            min_chunk,
+            quantum,
+        ) {
             (0, _) => Split::NONE,
             (chunk, splits) => Split {
                 chunk,
