@@ -225,7 +225,10 @@ fn decode_steps_replay_recorded_graphs_exactly() {
     let st = m.graph_stats();
     eprintln!("{st:?}");
     for (i, (f, r)) in recorded.iter().zip(&replayed).enumerate() {
-        assert!(f == r, "step {i}: replayed results differ from fresh recordings");
+        assert!(
+            f == r,
+            "step {i}: replayed results differ from fresh recordings"
+        );
     }
     // 11 decode steps in 7 shapes (batch 2 unsplit / split / greedy; batch 1); the rest replay.
     let (captures, replays) = (st.captures - st0.captures, st.replays);
@@ -235,7 +238,10 @@ fn decode_steps_replay_recorded_graphs_exactly() {
         assert_eq!(q.1, r.1, "step {i}: greedy ids");
         if !q.0.is_empty() {
             let e = rel_err(&r.0, &q.0, vocab);
-            assert!(e < 1e-5, "step {i}: replayed logits {e:.2e} from queued ones");
+            assert!(
+                e < 1e-5,
+                "step {i}: replayed logits {e:.2e} from queued ones"
+            );
         }
     }
     m.set_gemv_max_rows(thaw_kernels::device::GEMV_MAX_ROWS);
