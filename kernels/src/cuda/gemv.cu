@@ -272,12 +272,53 @@ KERNEL void gemv1v(GEMV_ARGS) { GEMV_CALL(1, 4, 8) }
 #define GEMV_WU 4
 #define GEMV_XS_BYTES 40960  // (with the rest, within the 48 KiB of static shared memory)
 
+// One pass of a warp's weight loads: GEMV_WU vectors (`v0`, `v0` + 32, …) of each of its
+// GEMV_WR rows from `o0` (a vector past the row re-reads `v0`, a row past N re-reads row o0:
+// in bounds, never added or stored). All loads issue before any is used.
+template <int WK>
+__device__ __forceinline__ void gemv_warp_loads(const void* w, int K, int nv, int N, int o0,
+                                                int v0, float (*wv)[GEMV_WR][8]) {
+    #pragma unroll
+    for (int u = 0; u < GEMV_WU; u++) {
+        const int v = v0 + 32 * u < nv ? v0 + 32 * u : v0;
+        #pragma unroll
+        for (int r = 0; r < GEMV_WR; r++) {
+            const int row = o0 + (o0 + r < N ? r : 0);
+            loadv<WK, 8, true>(w, (i64)row * K + 8 * (i64)v, wv[u][r]);
+        }
+    }
+}
+
 template <int WK, bool NORM>
 __device__ __forceinline__ void gemv_warp_body(GEMV_ARGS, unsigned char* xs, float* red) {
     (void)w_kind;
     (void)rows;  // one row
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5, nwarps = blockDim.x >> 5;
     const int nv = K / 8;  // 8-element vectors per row
+    const int per_block = nwarps * GEMV_WR;
+    const int b0 = (n0 + per_block - 1) / per_block, b1 = (n1 + per_block - 1) / per_block;
+    const int total = b0 + b1 + (n2 + per_block - 1) / per_block;
+    // The warp's rows in output group b: matrix, its height, first row, weights.
+    auto group = [&](int b, int& N, int& o0, const void*& w) {
+        const int m = b < b0 ? 0 : b < b0 + b1 ? 1 : 2;
+        N = m == 0 ? n0 : m == 1 ? n1 : n2;
+        o0 = (b - (m == 0 ? 0 : m == 1 ? b0 : b0 + b1)) * per_block + warp * GEMV_WR;
+        w = m == 0 ? w0 : m == 1 ? w1 : w2;
+        return m;
+    };
+    // The first group's first pass of weight loads issues before x is staged: the staging (a
+    // reduction over x, a barrier or two) then overlaps their latency instead of preceding it.
+    float wv[GEMV_WU][GEMV_WR][8];
+    bool preloaded = false;
+    if ((int)blockIdx.x < total) {
+        int N, o0;
+        const void* w;
+        group(blockIdx.x, N, o0, w);
+        if (o0 < N && lane < nv) {
+            gemv_warp_loads<WK>(w, K, nv, N, o0, lane, wv);
+            preloaded = true;
+        }
+    }
     float scale = 1.0f;
     if (NORM) {
         float ss = 0.0f;
@@ -316,44 +357,23 @@ __device__ __forceinline__ void gemv_warp_body(GEMV_ARGS, unsigned char* xs, flo
         }
     }
     __syncthreads();
-    const int per_block = nwarps * GEMV_WR;
-    const int b0 = (n0 + per_block - 1) / per_block, b1 = (n1 + per_block - 1) / per_block;
-    const int total = b0 + b1 + (n2 + per_block - 1) / per_block;
     for (int b = blockIdx.x; b < total; b += gridDim.x) {
-        const int m = b < b0 ? 0 : b < b0 + b1 ? 1 : 2;
-        const int N = m == 0 ? n0 : m == 1 ? n1 : n2;
-        const int o0 = (b - (m == 0 ? 0 : m == 1 ? b0 : b0 + b1)) * per_block + warp * GEMV_WR;
+        int N, o0;
+        const void* w;
+        const int m = group(b, N, o0, w);
         if (o0 >= N) continue;  // (no block barrier below)
-        const void* w = m == 0 ? w0 : m == 1 ? w1 : w2;
         float acc[GEMV_WR];
         #pragma unroll
         for (int r = 0; r < GEMV_WR; r++) acc[r] = 0.0f;
         for (int v0 = lane; v0 < nv; v0 += 32 * GEMV_WU) {
-            int vs[GEMV_WU];
-            bool ok[GEMV_WU];
+            if (!preloaded) gemv_warp_loads<WK>(w, K, nv, N, o0, v0, wv);
+            preloaded = false;
             #pragma unroll
             for (int u = 0; u < GEMV_WU; u++) {
                 const int v = v0 + 32 * u;
-                ok[u] = v < nv;
-                vs[u] = ok[u] ? v : v0;
-            }
-            // All GEMV_WU·GEMV_WR weight loads issue before the first multiply (a step past
-            // the row re-reads the pass's first vector and is not added; a row past N re-reads
-            // row o0 and is not stored).
-            float wv[GEMV_WU][GEMV_WR][8];
-            #pragma unroll
-            for (int u = 0; u < GEMV_WU; u++) {
-                #pragma unroll
-                for (int r = 0; r < GEMV_WR; r++) {
-                    const int row = o0 + (o0 + r < N ? r : 0);
-                    loadv<WK, 8, true>(w, (i64)row * K + 8 * (i64)vs[u], wv[u][r]);
-                }
-            }
-            #pragma unroll
-            for (int u = 0; u < GEMV_WU; u++) {
-                if (!ok[u]) continue;
+                if (v >= nv) continue;
                 float xv[8];
-                loadv<WK, 8, false>(xs, 8 * (i64)vs[u], xv);
+                loadv<WK, 8, false>(xs, 8 * (i64)v, xv);
                 #pragma unroll
                 for (int r = 0; r < GEMV_WR; r++) {
                     #pragma unroll
