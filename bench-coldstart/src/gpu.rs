@@ -316,6 +316,28 @@ fn load_sweep(dir: &std::path::Path, device: usize, h2d: f64) -> Result<Value> {
                          "gb_per_s": gbs, "plan_s": l.stats.plan_s, "read_s": l.stats.io_s,
                          "alloc_s": l.alloc_s, "device_alloc_s": l.device_alloc_s, "copy_wait_s": l.copy_s, "total_s": l.stats.total_s}));
     }
+    if let Some(best) = rows.iter().max_by(|a, b| {
+        let g = |v: &Value| v["gb_per_s"].as_f64().unwrap_or(0.0);
+        g(a).total_cmp(&g(b))
+    }) {
+        println!(
+            "load sweep best: {:.1} GB/s = {:.0}% of pinned H2D ({}, {} threads, {} MiB chunks{})",
+            best["gb_per_s"].as_f64().unwrap_or(0.0),
+            100.0 * best["gb_per_s"].as_f64().unwrap_or(0.0) * 1e9 / h2d,
+            if best["pin_in_place"] == true {
+                "pinned in place"
+            } else {
+                "staged"
+            },
+            best["threads"],
+            best["chunk"].as_u64().unwrap_or(0) >> 20,
+            if best["pin_in_place"] == true {
+                format!(", depth {}", best["pin_depth"])
+            } else {
+                String::new()
+            }
+        );
+    }
     Ok(json!(rows))
 }
 
@@ -409,6 +431,26 @@ fn big_model(dir: &PathBuf, a: &GpuArgs, h2d: f64, read_bw: f64) -> Result<Value
                         "roofline_tokens_per_s": roof, "fraction_of_roofline": r / roof}));
     }
     m.set_graphs(false);
+    // Per batch size, the fastest mode against cuBLAS queued launch by launch (the default):
+    // what the next defaults should be.
+    for batch in [1usize, 2, 4, 8, 32] {
+        let rows: Vec<&Value> = dec.iter().filter(|d| d["batch"] == batch).collect();
+        let rate = |d: &Value| d["tokens_per_s"].as_f64().unwrap_or(0.0);
+        let best = rows
+            .iter()
+            .copied()
+            .max_by(|a, b| rate(a).total_cmp(&rate(b)));
+        let base = rows.iter().find(|d| d["mode"] == "cuBLAS");
+        if let (Some(best), Some(base)) = (best, base) {
+            println!(
+                "decode batch {batch:>2} best: {} {:.1} tokens/s ({:.0}% of roofline) = {:.2}× cuBLAS",
+                best["mode"].as_str().unwrap_or("?"),
+                rate(best),
+                100.0 * best["fraction_of_roofline"].as_f64().unwrap_or(0.0),
+                rate(best) / rate(base).max(1e-9)
+            );
+        }
+    }
     m.device()
         .gemv_vec16
         .store(true, std::sync::atomic::Ordering::Relaxed);
