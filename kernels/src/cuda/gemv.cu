@@ -95,8 +95,8 @@ __device__ __forceinline__ float round_to(float v) {
 // `scripts/kernel-report.sh gemv1`): a kind chosen per load at run time put each load in a branch
 // of its own. K a multiple of VEC; W, x and the norm's weights 8-byte aligned for VEC = 4,
 // 16-byte for VEC = 8 (the caller checks; the loader puts data sections on 256-byte device
-// boundaries, so a checkpoint's tensors are 16-byte aligned wherever their offsets are). Output groups beyond
-// the grid are strided over it: the emulator runs a small grid, and a GPU launch has either a
+// boundaries, so a checkpoint's tensors are 16-byte aligned wherever their offsets are).
+// Output groups beyond the grid are strided over it: the emulator runs a small grid, and a GPU launch has either a
 // block per group or (`Gpu::gemv_persistent`) as many blocks as fit on the device at once, each
 // computing the norm's scale once for all its groups.
 //
@@ -264,8 +264,9 @@ KERNEL void gemv1v(GEMV_ARGS) { GEMV_CALL(1, 4, 8) }
 // One-row products, a warp per GEMV_WR outputs (`gemv1r`): the activations are staged once per
 // block in shared memory (normalized and rounded to W's kind under a norm, exactly as the
 // `rmsnorm` kernel stores them), then each warp streams its rows with 16-byte loads — GEMV_WU
-// loads of each row in flight per lane — and reduces within the warp. Unlike `gemv1v`, no block
-// barrier follows the staging: a warp that finishes its rows frees its registers at once, and
+// loads of each row in flight per lane, the first pass's issued before the staging so that it
+// overlaps their latency — and reduces within the warp. Unlike `gemv1v`, no block barrier
+// follows the staging: a warp that finishes its rows frees its registers at once, and
 // the block-wide reduction after every group of outputs is gone. 16-byte aligned operands, K a
 // multiple of 8 and K elements of W's kind within GEMV_XS_BYTES (the caller checks).
 #define GEMV_WR 2
