@@ -106,10 +106,21 @@ fn check(spec: &str, device: usize) -> Result<Value> {
     ] {
         gpu.set_gemv_max_rows(gemv_rows);
         gpu.set_graphs(graphs);
-        let (gp, gb) = steps(&*gpu)?;
+        // A mode that errors fails the check, and the other modes still run.
+        let ran = steps(&*gpu).and_then(|s| Ok((s, engine_outputs(gpu.clone())?)));
+        let ((gp, gb), gi) = match ran {
+            Ok(r) => r,
+            Err(e) => {
+                println!("check {} ({mode}): ERROR {e:#} — FAIL", dir.display());
+                modes.push(
+                    json!({"model": dir, "mode": mode, "error": format!("{e:#}"), "pass": false}),
+                );
+                all_ok = false;
+                continue;
+            }
+        };
         let prefill_err = rel_err(&gp, &cp, vocab);
         let batch_err = rel_err(&gb, &cb, vocab);
-        let gi = engine_outputs(gpu.clone())?;
         let same = ci.iter().zip(&gi).filter(|(a, b)| a == b).count();
         let direct_ok =
             prefill_err < limit && batch_err < limit && (!f32_weights || same == ci.len());
@@ -161,8 +172,21 @@ fn check(spec: &str, device: usize) -> Result<Value> {
     for batch in [1usize, 16] {
         for graphs in [false, true] {
             gpu.set_graphs(graphs);
-            let r = decode_rate(&gpu, batch, 64, 32)?;
             let how = if graphs { "graphs" } else { "queued" };
+            let r = match decode_rate(&gpu, batch, 64, 32) {
+                Ok(r) => r,
+                Err(e) => {
+                    // Reported, and it fails the check, without losing the lines above.
+                    println!(
+                        "decode {} batch {batch:>2} ({how}): ERROR {e:#}",
+                        dir.display()
+                    );
+                    decode
+                        .push(json!({"batch": batch, "graphs": graphs, "error": format!("{e:#}")}));
+                    all_ok = false;
+                    continue;
+                }
+            };
             println!(
                 "decode {} batch {batch:>2} ({how}): {r:.1} tokens/s",
                 dir.display()
@@ -362,6 +386,7 @@ fn big_model(dir: &PathBuf, a: &GpuArgs, h2d: f64, read_bw: f64) -> Result<Value
     let roof1 = read_bw / wb;
     let gemv_default = m.gemv_max_rows();
     let mut dec = vec![];
+    let mut errors: Vec<Value> = vec![];
     // Decode A/B in one run: the matrix-vector kernels (rows ≤ GEMV_MAX_ROWS) vs cuBLAS alone.
     // "gemv": as the model would run them (one row: x staged in shared memory, a warp per 2
     // outputs, 16-byte loads — the checkpoint's tensors are 16-byte aligned on the device);
@@ -415,7 +440,16 @@ fn big_model(dir: &PathBuf, a: &GpuArgs, h2d: f64, read_bw: f64) -> Result<Value
         // (Also drops recordings made under the device flags just changed.)
         m.set_graphs(graphs);
         let (launches, g0) = (m.gemv_launches(), m.graph_stats());
-        let r = decode_rate(&m, batch, a.steps, 32)?;
+        // An experimental mode that fails costs its line, not the rest of the run.
+        let r = match decode_rate(&m, batch, a.steps, 32) {
+            Ok(r) => r,
+            Err(e) => {
+                println!("decode batch {batch:>2} ({mode}): ERROR {e:#}");
+                errors.push(json!({"stage": format!("decode batch {batch} ({mode})"),
+                                   "error": format!("{e:#}")}));
+                continue;
+            }
+        };
         // Matrix-vector launches per step (0: every product went to cuBLAS), and steps
         // replayed from a recording (all but the first with "+graphs", else none).
         let per_step = (m.gemv_launches() - launches) as f64 / (a.steps + 2) as f64;
@@ -468,11 +502,19 @@ fn big_model(dir: &PathBuf, a: &GpuArgs, h2d: f64, read_bw: f64) -> Result<Value
     for (batch, ctx) in [(1usize, 4096usize), (8, 4096)] {
         for split in [true, false] {
             m.set_split_attention(split);
-            let r = decode_rate(&m, batch, a.steps, ctx)?;
-            println!(
-                "decode batch {batch} at {ctx} positions ({} attention): {r:.1} tokens/s",
-                if split { "split" } else { "whole-row" }
-            );
+            let how = if split { "split" } else { "whole-row" };
+            let r = match decode_rate(&m, batch, a.steps, ctx) {
+                Ok(r) => r,
+                Err(e) => {
+                    println!("decode batch {batch} at {ctx} positions ({how}): ERROR {e:#}");
+                    errors.push(
+                        json!({"stage": format!("decode batch {batch} at {ctx} ({how})"),
+                                       "error": format!("{e:#}")}),
+                    );
+                    continue;
+                }
+            };
+            println!("decode batch {batch} at {ctx} positions ({how} attention): {r:.1} tokens/s");
             long.push(
                 json!({"batch": batch, "context": ctx, "split_attention": split,
                              "tokens_per_s": r}),
@@ -501,7 +543,7 @@ fn big_model(dir: &PathBuf, a: &GpuArgs, h2d: f64, read_bw: f64) -> Result<Value
                      "compile_cache_hit": p.compile_cache_hit, "module_load": p.module_s,
                      "alloc": p.alloc_s, "plan": st.plan_s, "read": st.io_s,
                      "copy_wait": p.copy_s, "verify": st.verify_s, "widen": p.widen_s},
-        "weight_bytes_per_step": wb, "decode": dec,
+        "weight_bytes_per_step": wb, "decode": dec, "errors": errors,
     }))
 }
 
@@ -572,20 +614,31 @@ pub fn run(a: GpuArgs) -> Result<()> {
         let h2d = pinned_h2d(&gpu, 1 << 30, 5)?;
         // The staging ring's pinned buffers (16 × 8 MiB) allocated one after another vs by 16
         // threads at once (the loader's way), alternated, best of 3 each.
-        let (mut one_by_one, mut at_once) = (f64::MAX, f64::MAX);
-        for _ in 0..3 {
+        let alloc_ab = || -> Result<(f64, f64)> {
             use thaw_loader::cuda::PinnedBuf;
-            let t = Instant::now();
-            let b = (0..16)
-                .map(|_| PinnedBuf::new(&gpu.ctx, 8 << 20, false))
-                .collect::<Result<Vec<_>, _>>()?;
-            one_by_one = one_by_one.min(t.elapsed().as_secs_f64());
-            drop(b);
-            let t = Instant::now();
-            let b = PinnedBuf::many(&gpu.ctx, 16, 8 << 20, false)?;
-            at_once = at_once.min(t.elapsed().as_secs_f64());
-            drop(b);
-        }
+            let (mut one_by_one, mut at_once) = (f64::MAX, f64::MAX);
+            for _ in 0..3 {
+                let t = Instant::now();
+                let b = (0..16)
+                    .map(|_| PinnedBuf::new(&gpu.ctx, 8 << 20, false))
+                    .collect::<Result<Vec<_>, _>>()?;
+                one_by_one = one_by_one.min(t.elapsed().as_secs_f64());
+                drop(b);
+                let t = Instant::now();
+                let b = PinnedBuf::many(&gpu.ctx, 16, 8 << 20, false)?;
+                at_once = at_once.min(t.elapsed().as_secs_f64());
+                drop(b);
+            }
+            Ok((one_by_one, at_once))
+        };
+        // (A measurement beside the floors: its failure is printed, not fatal.)
+        let (one_by_one, at_once) = match alloc_ab() {
+            Ok(v) => v,
+            Err(e) => {
+                println!("pinned staging allocation: ERROR {e:#}");
+                (f64::NAN, f64::NAN)
+            }
+        };
         println!(
             "pinned staging allocation (16 × 8 MiB): {:.1} ms one by one, {:.1} ms by 16 threads",
             one_by_one * 1e3,
@@ -629,7 +682,14 @@ pub fn run(a: GpuArgs) -> Result<()> {
     }
     if let Some(dir) = &a.big {
         match guard(|| big_model(dir, &a, h2d, read_bw)) {
-            Ok(v) => out["big"] = v,
+            Ok(v) => {
+                // Modes that failed inside it fail the run too (after the rest was measured).
+                if let Some(errs) = v["errors"].as_array() {
+                    let all = out["errors"].as_array_mut().expect("an array");
+                    all.extend(errs.iter().cloned());
+                }
+                out["big"] = v;
+            }
             Err(e) => fail(&mut out, "big model", e),
         }
         save(&mut out)?;
