@@ -54,7 +54,12 @@ impl ShardPlan {
     /// Offset of the data section inside this shard's device arena (a multiple of
     /// [`DEVICE_ALIGN`]).
     pub fn device_data_offset(&self) -> u64 {
-        self.device_lead() + self.data_offset()
+        self.device_off(self.data_start)
+    }
+
+    /// Where file offset `file_off` (inside the mirrored range) lands in the device arena.
+    pub fn device_off(&self, file_off: u64) -> u64 {
+        self.device_lead() + file_off - self.aligned_start
     }
 }
 
@@ -79,7 +84,7 @@ impl Chunk {
 
     /// Offset of this chunk inside its shard's device arena.
     pub fn device_off(&self, plan: &LoadPlan) -> u64 {
-        self.arena_off(plan) + plan.shards[self.shard].device_lead()
+        plan.shards[self.shard].device_off(self.file_off)
     }
 }
 

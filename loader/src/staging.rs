@@ -69,8 +69,8 @@ pub struct StagingRing<B: StagingBuf, E: CopyEngine> {
     bufs: Vec<B>,
     engine: E,
     ring: Mutex<Ring<E::Event>>,
-    /// Per shard: the file offset its arena mirrors from, and the device arena's lead.
-    origin: Vec<(u64, u64)>,
+    /// The plan's shards (where a chunk lands in device memory).
+    shards: Vec<crate::plan::ShardPlan>,
     /// Time readers and `finish` spent waiting for copies (the copy work reads did not hide).
     waited_ns: AtomicU64,
 }
@@ -85,7 +85,7 @@ impl<B: StagingBuf, E: CopyEngine> StagingRing<B, E> {
                 free,
                 held: HashMap::new(),
             }),
-            origin: vec![],
+            shards: vec![],
             waited_ns: AtomicU64::new(0),
         }
     }
@@ -138,11 +138,7 @@ impl<B: StagingBuf, E: CopyEngine> Destination for StagingRing<B, E> {
                 small.len()
             )));
         }
-        self.origin = plan
-            .shards
-            .iter()
-            .map(|s| (s.aligned_start, s.device_lead()))
-            .collect();
+        self.shards = plan.shards.clone();
         self.engine.prepare(plan)
     }
 
@@ -174,10 +170,9 @@ impl<B: StagingBuf, E: CopyEngine> Destination for StagingRing<B, E> {
             .held
             .remove(&i)
             .ok_or_else(|| err(format!("chunk {i} landed without a region")))?;
-        let (start, lead) = self.origin[c.shard];
-        let dst = lead + c.file_off - start; // = c.device_off(plan)
-                                             // SAFETY: buffer `b` holds `len` landed bytes (len ≤ its size, checked in prepare) and
-                                             // is not handed out again before this copy's event has been waited on.
+        let dst = self.shards[c.shard].device_off(c.file_off);
+        // SAFETY: buffer `b` holds `len` landed bytes (len ≤ its size, checked in prepare) and
+        // is not handed out again before this copy's event has been waited on.
         let ev = unsafe {
             self.engine
                 .copy(self.bufs[b].ptr(), len as usize, c.shard, dst)?

@@ -71,18 +71,19 @@ impl EmuGraph {
 pub const EMU_GEMV_MAX_ELEMS: usize = 1 << 16;
 
 /// The matrix-vector kernels of gemv.cu (the GPU picks by rows and alignment, as
-/// [`Emu`]'s `gemv` does).
+/// [`Emu`]'s `gemv` does). The discriminants are emu.cpp's `which` numbers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(i32)]
 pub enum GemvKernel {
     /// `gemv`: 1..=8 rows, 4 outputs per block.
-    Rows,
+    Rows = 0,
     /// `gemv1`: one row, 4 outputs per block.
-    One,
+    One = 1,
     /// `gemv1v`: one row, 4 outputs per block, 16-byte loads ([`GemvIn::vec16`] products).
-    OneVec16,
+    OneVec16 = 2,
     /// `gemv1r`: one row, x staged in shared memory, a warp per 2 outputs, 16-byte loads
     /// ([`GemvIn::vec16`] products whose x [`GemvIn::stages`]).
-    OneWarpRows,
+    OneWarpRows = 3,
 }
 
 impl Emu {
@@ -181,19 +182,13 @@ impl Emu {
         };
         let (a, b, c) = (at(0), at(1), at(2));
         self.gemv_runs[kernel as usize].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let which = match kernel {
-            GemvKernel::Rows => 0,
-            GemvKernel::One => 1,
-            GemvKernel::OneVec16 => 2,
-            GemvKernel::OneWarpRows => 3,
-        };
         // A small grid of small blocks (the kernel strides its output groups over the grid):
         // every emulated thread is an OS thread.
         // SAFETY: each W holds out_dim·in elements, x n·in, each y n·out_dim f32 (the caller's
         // buffers); absent matrices have no outputs.
         unsafe {
             super::thaw_emu_gemv(
-                which,
+                kernel as i32,
                 2,
                 64,
                 a.w as *const u8,

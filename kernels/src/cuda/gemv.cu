@@ -109,6 +109,21 @@ __device__ __forceinline__ float round_to(float v) {
 #define GEMV_MAX_WARPS 8
 #define GEMV_STEPS 2  // VEC-element steps per thread per pass
 
+// A launch's output groups: `per` consecutive outputs of one of its (up to) three matrices,
+// the matrices' groups in order — group b is outputs [first(b), first(b) + per) of matrix
+// matrix(b).
+struct GemvGroups {
+    int per, b0, b1, total;
+    __device__ GemvGroups(int n0, int n1, int n2, int per_)
+        : per(per_), b0((n0 + per_ - 1) / per_), b1((n1 + per_ - 1) / per_),
+          total(b0 + b1 + (n2 + per_ - 1) / per_) {}
+    __device__ __forceinline__ int matrix(int b) const { return b < b0 ? 0 : b < b0 + b1 ? 1 : 2; }
+    __device__ __forceinline__ int first(int b) const {
+        const int m = matrix(b);
+        return (b - (m == 0 ? 0 : m == 1 ? b0 : b0 + b1)) * per;
+    }
+};
+
 #define GEMV_ARGS                                                                               \
     const void *w0, const void *w1, const void *w2, float *y0, float *y1, float *y2, int n0,     \
         int n1, int n2, int w_kind, const void *x, int rows, int K, const float *norm,           \
@@ -122,8 +137,7 @@ __device__ __forceinline__ void gemv_body(GEMV_ARGS, float (*red)[OUTS * ROWS + 
     (void)w_kind;                      // = WK (the entry point dispatched on it)
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5, nwarps = blockDim.x >> 5;
     const int groups = K / VEC;
-    const int b0 = (n0 + OUTS - 1) / OUTS, b1 = (n1 + OUTS - 1) / OUTS;
-    const int total = b0 + b1 + (n2 + OUTS - 1) / OUTS;
+    const GemvGroups groups_of(n0, n1, n2, OUTS);
     // The norm's scale per row, once per block (every output group of the block shares x).
     float scale[ROWS];
     #pragma unroll
@@ -157,9 +171,8 @@ __device__ __forceinline__ void gemv_body(GEMV_ARGS, float (*red)[OUTS * ROWS + 
             scale[r] = 1.0f / sqrtf(sq / (float)K + eps);
         }
     }
-    for (int b = blockIdx.x; b < total; b += gridDim.x) {
-        const int m = b < b0 ? 0 : b < b0 + b1 ? 1 : 2;
-        const int o0 = (b - (m == 0 ? 0 : m == 1 ? b0 : b0 + b1)) * OUTS;
+    for (int b = blockIdx.x; b < groups_of.total; b += gridDim.x) {
+        const int m = groups_of.matrix(b), o0 = groups_of.first(b);
         const int N = m == 0 ? n0 : m == 1 ? n1 : n2;
         const int outs = N - o0 < OUTS ? N - o0 : OUTS;
         const void* w = m == 0 ? w0 : m == 1 ? w1 : w2;
@@ -296,14 +309,13 @@ __device__ __forceinline__ void gemv_warp_body(GEMV_ARGS, unsigned char* xs, flo
     (void)rows;  // one row
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5, nwarps = blockDim.x >> 5;
     const int nv = K / 8;  // 8-element vectors per row
-    const int per_block = nwarps * GEMV_WR;
-    const int b0 = (n0 + per_block - 1) / per_block, b1 = (n1 + per_block - 1) / per_block;
-    const int total = b0 + b1 + (n2 + per_block - 1) / per_block;
+    const GemvGroups groups_of(n0, n1, n2, nwarps * GEMV_WR);
+    const int total = groups_of.total;
     // The warp's rows in output group b: matrix, its height, first row, weights.
     auto group = [&](int b, int& N, int& o0, const void*& w) {
-        const int m = b < b0 ? 0 : b < b0 + b1 ? 1 : 2;
+        const int m = groups_of.matrix(b);
         N = m == 0 ? n0 : m == 1 ? n1 : n2;
-        o0 = (b - (m == 0 ? 0 : m == 1 ? b0 : b0 + b1)) * per_block + warp * GEMV_WR;
+        o0 = groups_of.first(b) + warp * GEMV_WR;
         w = m == 0 ? w0 : m == 1 ? w1 : w2;
         return m;
     };
