@@ -11,7 +11,9 @@
 # `bench-coldstart gpu`: CUDA vs CPU logits and greedy ids (cuBLAS and matrix-vector products,
 # queued and replayed as CUDA graphs), the small models' decode queued vs graphs, pinned H2D
 # floor, 8B load GB/s and cold-start phases, load sweep (staging ring vs pinned in place),
-# prefill A/B (tiled vs per-row attention), batch-1..32 decode A/Bs vs the HBM roofline; then `thaw serve --device cuda` answering /invoke, and fresh-process cold starts
+# prefill A/B (tiled vs per-row attention), batch-1..32 decode A/Bs vs the HBM roofline — each
+# check mode and decode mode in a process of its own, so a kernel that faults (a sticky CUDA
+# error) costs its own line only; then `thaw serve --device cuda` answering /invoke, and fresh-process cold starts
 # (`bench-coldstart coldstart`, --device cuda vs cpu). Results: $OUT/gpu-check.json, coldstart.md,
 # the log (OUT defaults to target/gpu-check).
 set -euo pipefail
@@ -113,7 +115,7 @@ big="${GPU_CHECK_BIG_SHAPE:-llama-3-8b}"  # a smaller shape only for dry runs of
 [ -f "$work/$big/config.json" ] || lim 120 "$dist/bench-coldstart" synth --shape "$big" --dtype bf16 --out "$work/$big"
 
 echo "== bench-coldstart gpu ($(( $(date +%s) - t0 )) s)"
-lim 300 "$dist/bench-coldstart" gpu --check "$work/small-f32" --check "$work/small-bf16=$work/small-bf16-ref" \
+lim 360 "$dist/bench-coldstart" gpu --check "$work/small-f32" --check "$work/small-bf16=$work/small-bf16-ref" \
     --big "$work/$big" --out "$out/gpu-check.json" || status=1
 
 echo "== thaw serve --device cuda, end to end ($(( $(date +%s) - t0 )) s)"

@@ -16,6 +16,6 @@ export THAW_REQUIRE_NVRTC=1  # the kernel-compile tests must not skip here
 cargo test --release -p thaw-kernels --features cuda --lib
 cargo test --release -p thaw-loader --features cuda
 cargo test --release -p thaw-runtime --features cuda --lib
-cargo check --release -p bench-coldstart --features cuda
+cargo test --release -p bench-coldstart --features cuda --test gpu_stages
 cargo build --release --bins
 cargo test --release --workspace "$@"

@@ -797,3 +797,64 @@ fn gemv_matches_the_gemm_for_decode_rows() {
     assert!(!xin.vec16(&[off8]));
     dev.gemv(Elem::F32, &[off8], &xin, 0.0).unwrap();
 }
+
+/// The emulator's allocations are fenced (guard pages, `emu::fence`): a kernel reading past an
+/// allocation kills the process with SIGSEGV and a message naming the kernel, as the GPU would
+/// raise an illegal address (or silently read a neighbour). Here a one-row product is told its
+/// matrix has 4 rows when its allocation holds 3: the child process running it must die so.
+#[test]
+fn a_kernel_reading_past_its_allocation_faults() {
+    use emu::device::{Emu, GemvKernel};
+    use thaw_kernels::device::{DeviceBuf, DeviceOps, Elem, GemvIn, GemvOut};
+    const CHILD: &str = "THAW_EMU_OVERRUN_CHILD";
+    let Ok(which) = std::env::var(CHILD) else {
+        for (which, kernel) in [("short", Some("gemv1r")), ("fits", None)] {
+            let out = std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", "a_kernel_reading_past_its_allocation_faults"])
+                .args(["--nocapture", "--test-threads=1"])
+                .env(CHILD, which)
+                .output()
+                .unwrap();
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            match kernel {
+                Some(k) => {
+                    use std::os::unix::process::ExitStatusExt;
+                    assert_eq!(
+                        out.status.signal(),
+                        Some(libc::SIGSEGV),
+                        "{which}: {stderr}"
+                    );
+                    assert!(
+                        stderr.contains("thaw emulator: memory fault") && stderr.contains(k),
+                        "{which}: {stderr}"
+                    );
+                }
+                None => assert!(out.status.success(), "{which}: {stderr}"),
+            }
+        }
+        return;
+    };
+    let dev = Emu::new();
+    let (k, n) = (64usize, 4usize);
+    // 3 rows' bytes (768, a multiple of 256: no rounding slack before the guard page), or 4.
+    let rows_held = if which == "short" { n - 1 } else { n };
+    let mut w = dev.alloc(rows_held * k * 4).unwrap();
+    dev.upload(&mut w, 0, &vec![0u8; rows_held * k * 4])
+        .unwrap();
+    let x = dev.alloc(k * 4).unwrap();
+    let y = dev.alloc(n * 4).unwrap();
+    let outs = [GemvOut {
+        w: w.ptr(),
+        out_dim: n,
+        y: y.ptr(),
+    }];
+    let xin = GemvIn {
+        x: x.ptr(),
+        kind: Elem::F32,
+        rows: 1,
+        in_dim: k,
+        norm: None,
+    };
+    dev.gemv_kernel(GemvKernel::OneWarpRows, Elem::F32, &outs, &xin, 0.0)
+        .unwrap();
+}

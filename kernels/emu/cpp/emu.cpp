@@ -2,6 +2,8 @@
 #include "shim.h"
 
 #include <barrier>
+#include <signal.h>
+#include <unistd.h>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -41,9 +43,40 @@ namespace {
 std::mutex one_launch;  // the grid state above is global: one launch at a time per process
 
 // Runs `f` as a grid of blocks of `threads` threads (a multiple of 32), one block at a time.
+// The launch running now, for the fault handler's message.
+const char* volatile running = "(no kernel: host code)";
+struct sigaction previous_segv;
+
+// A load or store outside every mapping — in the emulator, usually a guard page of an emulated
+// device allocation (src/fence.rs): an out-of-bounds access, which on a GPU would read another
+// allocation's bytes or raise a sticky CUDA_ERROR_ILLEGAL_ADDRESS. Names the kernel, then hands
+// the fault to the handler that was there before (Rust's), which ends the process.
+void on_segv(int sig, siginfo_t* info, void* ctx) {
+    char msg[256];
+    int n = snprintf(msg, sizeof msg,
+                     "thaw emulator: memory fault at %p in %s (out of bounds of an emulated "
+                     "device allocation?)\n",
+                     info->si_addr, running);
+    if (n > 0) (void)!write(2, msg, (size_t)n < sizeof msg ? (size_t)n : sizeof msg - 1);
+    sigaction(SIGSEGV, &previous_segv, nullptr);
+    (void)sig;
+    (void)ctx;
+}
+
+void install_fault_handler() {
+    struct sigaction sa {};
+    sa.sa_sigaction = on_segv;
+    sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGSEGV, &sa, &previous_segv);
+}
+
 template <class F>
-void launch(unsigned gx, unsigned gy, unsigned threads, F f) {
+void launch(const char* name, unsigned gx, unsigned gy, unsigned threads, F f) {
     std::lock_guard<std::mutex> guard(one_launch);
+    static std::once_flag handler;
+    std::call_once(handler, install_fault_handler);
+    running = name;
     gridDim = emu_uint3{gx, gy, 1};
     blockDim = emu_uint3{threads, 1, 1};
     for (unsigned y = 0; y < gy; y++) {
@@ -70,45 +103,47 @@ void launch(unsigned gx, unsigned gy, unsigned threads, F f) {
             current = nullptr;
         }
     }
+    running = "(no kernel: host code)";
 }
 }  // namespace
 
 extern "C" {
 void thaw_emu_widen(unsigned grid, unsigned block, const void* src, int kind, float* dst, i64 n) {
-    launch(grid, 1, block, [=] { widen(src, kind, dst, n); });
+    launch(__func__, grid, 1, block, [=] { widen(src, kind, dst, n); });
 }
 void thaw_emu_embed(unsigned rows, unsigned block, const void* table, int kind, const u32* ids,
                     int d, float* out) {
-    launch(rows, 1, block, [=] { embed(table, kind, ids, d, out); });
+    launch(__func__, rows, 1, block, [=] { embed(table, kind, ids, d, out); });
 }
 void thaw_emu_rmsnorm(unsigned rows, unsigned block, const float* x, const u32* map,
                       const float* w, int d, float eps, void* out, int out_kind) {
-    launch(rows, 1, block, [=] { rmsnorm(x, map, w, d, eps, out, out_kind); });
+    launch(__func__, rows, 1, block, [=] { rmsnorm(x, map, w, d, eps, out, out_kind); });
 }
 void thaw_emu_add_bias(unsigned grid, unsigned block, float* x, const float* b, int d, i64 n) {
-    launch(grid, 1, block, [=] { add_bias(x, b, d, n); });
+    launch(__func__, grid, 1, block, [=] { add_bias(x, b, d, n); });
 }
 void thaw_emu_silu_mul(unsigned grid, unsigned block, const float* g, const float* u, void* out,
                        int out_kind, i64 n) {
-    launch(grid, 1, block, [=] { silu_mul(g, u, out, out_kind, n); });
+    launch(__func__, grid, 1, block, [=] { silu_mul(g, u, out, out_kind, n); });
 }
 void thaw_emu_rope_store(unsigned rows, unsigned block, float* q, const float* k, const float* v,
                          const float* cos_t, const float* sin_t, int n_heads, int n_kv, int hd,
                          void* kc, void* vc, int kv_kind, const i64* slot, i64 layer_off) {
     // As the GPU launch: slices of `block` threads over the row's work.
     unsigned slices = ((unsigned)(n_heads * (hd / 2) + n_kv * (hd / 2) + n_kv * hd) + block - 1) / block;
-    launch(rows, slices, block, [=] {
+    launch(__func__, rows, slices, block, [=] {
         rope_store(q, k, v, cos_t, sin_t, n_heads, n_kv, hd, kc, vc, kv_kind, slot, layer_off);
     });
 }
 void thaw_emu_argmax_rows(unsigned rows, unsigned block, const float* x, int n, u32* ids) {
-    launch(rows, 1, block, [=] { argmax_rows(x, n, ids); });
+    launch(__func__, rows, 1, block, [=] { argmax_rows(x, n, ids); });
 }
 void thaw_emu_gemv(int which, unsigned grid, unsigned block, const void* w0, const void* w1,
                    const void* w2, float* y0, float* y1, float* y2, int n0, int n1, int n2,
                    int w_kind, const void* x, int rows, int K, const float* norm, float eps,
                    float beta) {
-    launch(grid, 1, block, [=] {
+    static const char* const names[] = {"gemv", "gemv1", "gemv1v", "gemv1r"};
+    launch(which >= 0 && which < 4 ? names[which] : "gemv?", grid, 1, block, [=] {
         if (which == 1)
             gemv1(w0, w1, w2, y0, y1, y2, n0, n1, n2, w_kind, x, rows, K, norm, eps, beta);
         else if (which == 2)
@@ -124,12 +159,12 @@ void thaw_emu_attention(unsigned rows, unsigned kv_heads, const float* q, const 
                         const u32* table_off, const u32* tables, int block_size, i64 block_stride,
                         i64 layer_off, int n_heads, int n_kv, int hd, float scale, void* out,
                         int out_kind, int chunk, int nsplit, float* part) {
-    launch(rows, kv_heads * (unsigned)nsplit, DEC_WARPS * 32, [=] {
+    launch(__func__, rows, kv_heads * (unsigned)nsplit, DEC_WARPS * 32, [=] {
         attention(q, kc, vc, kv_kind, rows_map, pos, table_off, tables, block_size, block_stride,
                   layer_off, n_heads, n_kv, hd, scale, out, out_kind, chunk, nsplit, part);
     });
     if (chunk > 0) {
-        launch(rows, (unsigned)n_heads, 32, [=] {
+        launch("attention_merge", rows, (unsigned)n_heads, 32, [=] {
             attention_merge(part, rows_map, pos, chunk, nsplit, n_heads, hd, out, out_kind);
         });
     }
@@ -140,7 +175,7 @@ void thaw_emu_attention_prefill(unsigned tiles, unsigned kv_heads, const float* 
                                 const u32* tables, int block_size, i64 block_stride,
                                 i64 layer_off, int n_heads, int n_kv, int hd, float scale,
                                 void* out, int out_kind) {
-    launch(tiles, kv_heads, ATT_WARPS * 32, [=] {
+    launch(__func__, tiles, kv_heads, ATT_WARPS * 32, [=] {
         attention_prefill(q, kc, vc, kv_kind, tile_row0, tile_rows, pos, table_off, tables,
                           block_size, block_stride, layer_off, n_heads, n_kv, hd, scale, out,
                           out_kind);

@@ -3,21 +3,18 @@
 //! `GemmCall` the CUDA backend passes to cuBLAS. A model driven through it runs the CUDA
 //! backend's step code on the CPU.
 
+use crate::fence::Fenced;
 use thaw_kernels::device::{
     AttnDims, DeviceBuf, DeviceOps, Elem, GemmCall, GemvIn, GemvOut, Paging, Split, Tiles,
 };
 
-/// Host memory standing in for a device allocation (8-byte aligned, zeroed).
+/// Host memory standing in for a device allocation: zeroed, 256-byte aligned as `cuMemAlloc`'s
+/// allocations are (so alignment checks of 16-byte loads pass or fail here as on a GPU), and
+/// fenced by guard pages (an out-of-bounds kernel access faults; see [`crate::fence`]).
 pub struct EmuBuf {
-    mem: Vec<Granule>,
+    mem: Fenced,
     len: usize,
 }
-
-/// The emulated allocator's unit: 256-byte aligned, as `cuMemAlloc`'s allocations are, so
-/// alignment checks (16-byte loads) pass or fail here as they would on a GPU.
-#[derive(Clone, Copy)]
-#[repr(C, align(256))]
-struct Granule([u8; 256]);
 
 impl DeviceBuf for EmuBuf {
     fn ptr(&self) -> u64 {
@@ -241,7 +238,7 @@ impl DeviceOps for Emu {
             return Err(EmuError("an allocation during a capture".into()));
         }
         Ok(EmuBuf {
-            mem: vec![Granule([0; 256]); bytes.div_ceil(256).max(1)],
+            mem: Fenced::zeroed(bytes),
             len: bytes,
         })
     }
@@ -258,11 +255,7 @@ impl DeviceOps for Emu {
         }
         // SAFETY: bounds checked; the buffer is owned host memory.
         unsafe {
-            std::ptr::copy_nonoverlapping(
-                src.as_ptr(),
-                (dst.mem.as_mut_ptr() as *mut u8).add(at),
-                src.len(),
-            )
+            std::ptr::copy_nonoverlapping(src.as_ptr(), dst.mem.as_mut_ptr().add(at), src.len())
         };
         Ok(())
     }
@@ -275,13 +268,7 @@ impl DeviceOps for Emu {
             return Err(EmuError("download overruns its buffer".into()));
         }
         // SAFETY: bounds checked.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                (src.mem.as_ptr() as *const u8).add(at),
-                dst.as_mut_ptr(),
-                n,
-            )
-        };
+        unsafe { std::ptr::copy_nonoverlapping(src.mem.as_ptr().add(at), dst.as_mut_ptr(), n) };
         Ok(())
     }
     fn bind(&self) -> Result<(), EmuError> {

@@ -147,6 +147,39 @@ extern "C" {
     );
 }
 
+/// Plain element types whose bytes the kernels read and write (no padding, any bit pattern
+/// valid).
+trait Pod: Copy {}
+impl Pod for u8 {}
+impl Pod for u32 {}
+impl Pod for i64 {}
+impl Pod for f32 {}
+
+/// A copy of `s` in fenced memory (guard pages at both ends: [`fence`]), so a kernel reading
+/// past the slice faults instead of reading the test's other data.
+fn fenced<T: Pod>(s: &[T]) -> fence::Fenced {
+    // SAFETY: T is Pod: its bytes are initialized plain data.
+    let bytes =
+        unsafe { std::slice::from_raw_parts(s.as_ptr() as *const u8, std::mem::size_of_val(s)) };
+    fence::Fenced::from_slice(bytes)
+}
+
+/// Copies a kernel's output back from its fenced copy.
+fn copy_back<T: Pod>(f: &fence::Fenced, s: &mut [T]) {
+    // SAFETY: T is Pod, so any bytes are a valid T; the lengths match (the copy was made from s).
+    let bytes = unsafe {
+        std::slice::from_raw_parts_mut(s.as_mut_ptr() as *mut u8, std::mem::size_of_val(s))
+    };
+    bytes.copy_from_slice(f.as_slice());
+}
+
+fn ptr<T>(f: &fence::Fenced) -> *const T {
+    f.as_ptr() as *const T
+}
+fn mut_ptr<T>(f: &mut fence::Fenced) -> *mut T {
+    f.as_mut_ptr() as *mut T
+}
+
 /// Attention head layout.
 #[derive(Debug, Clone, Copy)]
 pub struct Heads {
@@ -157,35 +190,39 @@ pub struct Heads {
 
 pub fn widen(src: &[u8], kind: Kind, dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len() * kind.bytes());
+    let (fs, mut fd) = (fenced(src), fenced(dst));
     // SAFETY: lengths checked; the kernel touches n elements of each.
     unsafe {
         thaw_emu_widen(
             2,
             64,
-            src.as_ptr(),
+            ptr(&fs),
             kind as i32,
-            dst.as_mut_ptr(),
+            mut_ptr(&mut fd),
             dst.len() as I64,
         )
     }
+    copy_back(&fd, dst);
 }
 
 pub fn embed(table: &[u8], kind: Kind, ids: &[u32], d: usize, out: &mut [f32]) {
     let rows = table.len() / kind.bytes() / d;
     assert!(ids.iter().all(|&i| (i as usize) < rows));
     assert_eq!(out.len(), ids.len() * d);
+    let (ft, fi, mut fo) = (fenced(table), fenced(ids), fenced(out));
     // SAFETY: ids index rows of the table (checked); out holds ids.len() rows.
     unsafe {
         thaw_emu_embed(
             ids.len() as u32,
             64,
-            table.as_ptr(),
+            ptr(&ft),
             kind as i32,
-            ids.as_ptr(),
+            ptr(&fi),
             d as i32,
-            out.as_mut_ptr(),
+            mut_ptr(&mut fo),
         )
     }
+    copy_back(&fo, out);
 }
 
 /// RMSNorm of rows `map` (or all rows) of `x`, stored as `kind` into `out`.
@@ -204,52 +241,58 @@ pub fn rmsnorm(
         assert!(m.iter().all(|&r| (r as usize + 1) * d <= x.len()));
     }
     assert_eq!(out.len(), rows * d * kind.bytes());
+    let (fx, fm, fw, mut fo) = (fenced(x), map.map(fenced), fenced(w), fenced(out));
     // SAFETY: bounds checked above.
     unsafe {
         thaw_emu_rmsnorm(
             rows as u32,
             block,
-            x.as_ptr(),
-            map.map_or(std::ptr::null(), |m| m.as_ptr()),
-            w.as_ptr(),
+            ptr(&fx),
+            fm.as_ref().map_or(std::ptr::null(), ptr),
+            ptr(&fw),
             d as i32,
             eps,
-            out.as_mut_ptr(),
+            mut_ptr(&mut fo),
             kind as i32,
         )
     }
+    copy_back(&fo, out);
 }
 
 pub fn add_bias(x: &mut [f32], b: &[f32]) {
     assert_eq!(x.len() % b.len(), 0);
+    let (mut fx, fb) = (fenced(x), fenced(b));
     // SAFETY: x holds n elements, b d.
     unsafe {
         thaw_emu_add_bias(
             3,
             64,
-            x.as_mut_ptr(),
-            b.as_ptr(),
+            mut_ptr(&mut fx),
+            ptr(&fb),
             b.len() as i32,
             x.len() as I64,
         )
     }
+    copy_back(&fx, x);
 }
 
 pub fn silu_mul(g: &[f32], u: &[f32], out: &mut [u8], kind: Kind) {
     assert_eq!(g.len(), u.len());
     assert_eq!(out.len(), g.len() * kind.bytes());
+    let (fg, fu, mut fo) = (fenced(g), fenced(u), fenced(out));
     // SAFETY: lengths checked.
     unsafe {
         thaw_emu_silu_mul(
             3,
             64,
-            g.as_ptr(),
-            u.as_ptr(),
-            out.as_mut_ptr(),
+            ptr(&fg),
+            ptr(&fu),
+            mut_ptr(&mut fo),
             kind as i32,
             g.len() as I64,
         )
     }
+    copy_back(&fo, out);
 }
 
 /// RoPE on `q` (in place) and `k`, then keys and values of row `r` into `kc`/`vc` at
@@ -279,26 +322,31 @@ pub fn rope_store(
     assert!(slot
         .iter()
         .all(|&s| (s as usize + layer_off + kvd) * kind.bytes() <= kc.len()));
+    let (mut fq, fk, fv, fcos, fsin) = (fenced(q), fenced(k), fenced(v), fenced(cos), fenced(sin));
+    let (mut fkc, mut fvc, fslot) = (fenced(kc), fenced(vc), fenced(slot));
     // SAFETY: every slot's row lies inside the caches (checked); the rest by the asserts.
     unsafe {
         thaw_emu_rope_store(
             rows as u32,
             128,
-            q.as_mut_ptr(),
-            k.as_ptr(),
-            v.as_ptr(),
-            cos.as_ptr(),
-            sin.as_ptr(),
+            mut_ptr(&mut fq),
+            ptr(&fk),
+            ptr(&fv),
+            ptr(&fcos),
+            ptr(&fsin),
             h.n_heads as i32,
             h.n_kv as i32,
             h.head_dim as i32,
-            kc.as_mut_ptr(),
-            vc.as_mut_ptr(),
+            mut_ptr(&mut fkc),
+            mut_ptr(&mut fvc),
             kind as i32,
-            slot.as_ptr(),
+            ptr(&fslot),
             layer_off as I64,
         )
     }
+    copy_back(&fq, q);
+    copy_back(&fkc, kc);
+    copy_back(&fvc, vc);
 }
 
 /// The paged layout attention reads: `block_size` positions per block, blocks
@@ -314,16 +362,18 @@ pub struct Paging {
 pub fn argmax_rows(x: &[f32], n: usize, ids: &mut [u32], block: u32) {
     assert_eq!(x.len(), ids.len() * n);
     assert!(block.is_power_of_two() && (32..=1024).contains(&block));
+    let (fx, mut fi) = (fenced(x), fenced(ids));
     // SAFETY: lengths checked.
     unsafe {
         thaw_emu_argmax_rows(
             ids.len() as u32,
             block,
-            x.as_ptr(),
+            ptr(&fx),
             n as i32,
-            ids.as_mut_ptr(),
+            mut_ptr(&mut fi),
         )
     }
+    copy_back(&fi, ids);
 }
 
 /// Causal paged attention for rows at `pos`, each reading its table at `table_off` in `tables`;
@@ -351,7 +401,7 @@ pub fn attention(
         0 => 1,
         c => pos.iter().map(|&p| p as usize / c + 1).max().unwrap_or(1),
     };
-    let mut part = vec![0f32; rows * h.n_heads * nsplit * (h.head_dim + 2)];
+    let part = vec![0f32; rows * h.n_heads * nsplit * (h.head_dim + 2)];
     assert_eq!(q.len(), rows * h.n_heads * h.head_dim);
     assert_eq!(out.len(), q.len() * out_kind.bytes());
     let blocks = kc.len() / kind.bytes() / p.block_stride;
@@ -361,19 +411,22 @@ pub fn attention(
         assert!(t.iter().all(|&b| (b as usize) < blocks));
         assert!(p.layer_off + (p.block_size - 1) * kvd + kvd <= p.block_stride);
     }
+    let (fq, fkc, fvc) = (fenced(q), fenced(kc), fenced(vc));
+    let (fpos, foff, ftab) = (fenced(pos), fenced(table_off), fenced(tables));
+    let (mut fo, mut fpart) = (fenced(out), fenced(&part));
     // SAFETY: every position each row reads lies inside the caches (checked above).
     unsafe {
         thaw_emu_attention(
             rows as u32,
             h.n_kv as u32,
-            q.as_ptr(),
-            kc.as_ptr(),
-            vc.as_ptr(),
+            ptr(&fq),
+            ptr(&fkc),
+            ptr(&fvc),
             kind as i32,
             std::ptr::null(),
-            pos.as_ptr(),
-            table_off.as_ptr(),
-            tables.as_ptr(),
+            ptr(&fpos),
+            ptr(&foff),
+            ptr(&ftab),
             p.block_size as i32,
             p.block_stride as I64,
             p.layer_off as I64,
@@ -381,13 +434,14 @@ pub fn attention(
             h.n_kv as i32,
             h.head_dim as i32,
             1.0 / (h.head_dim as f32).sqrt(),
-            out.as_mut_ptr(),
+            mut_ptr(&mut fo),
             out_kind as i32,
             chunk as i32,
             nsplit as i32,
-            part.as_mut_ptr(),
+            mut_ptr(&mut fpart),
         )
     }
+    copy_back(&fo, out);
 }
 
 /// Flash-style prefill attention over `tiles` (first row, row count) of consecutive rows of one
@@ -427,21 +481,29 @@ pub fn attention_prefill(
     }
     let row0: Vec<u32> = tiles.iter().map(|t| t.0).collect();
     let count: Vec<u32> = tiles.iter().map(|t| t.1).collect();
+    let (fq, fkc, fvc, fr0, fcount) = (
+        fenced(q),
+        fenced(kc),
+        fenced(vc),
+        fenced(&row0),
+        fenced(&count),
+    );
+    let (fpos, foff, ftab, mut fo) = (fenced(pos), fenced(table_off), fenced(tables), fenced(out));
     // SAFETY: tiles are consecutive rows of one sequence whose blocks lie in the caches
     // (checked above).
     unsafe {
         thaw_emu_attention_prefill(
             tiles.len() as u32,
             h.n_kv as u32,
-            q.as_ptr(),
-            kc.as_ptr(),
-            vc.as_ptr(),
+            ptr(&fq),
+            ptr(&fkc),
+            ptr(&fvc),
             kind as i32,
-            row0.as_ptr(),
-            count.as_ptr(),
-            pos.as_ptr(),
-            table_off.as_ptr(),
-            tables.as_ptr(),
+            ptr(&fr0),
+            ptr(&fcount),
+            ptr(&fpos),
+            ptr(&foff),
+            ptr(&ftab),
             p.block_size as i32,
             p.block_stride as I64,
             p.layer_off as I64,
@@ -449,10 +511,12 @@ pub fn attention_prefill(
             h.n_kv as i32,
             h.head_dim as i32,
             1.0 / (h.head_dim as f32).sqrt(),
-            out.as_mut_ptr(),
+            mut_ptr(&mut fo),
             out_kind as i32,
         )
     }
+    copy_back(&fo, out);
 }
 
 pub mod device;
+pub mod fence;
