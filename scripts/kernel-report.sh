@@ -26,11 +26,14 @@ out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
 arch="${ARCH:-9.0}"
 LD_LIBRARY_PATH="$nvrtc" target/release/thaw kernels --arch "$arch" --out "$out" >/dev/null
-cubin="$(ls "$out"/*.cubin | head -1)"
-PATH="$bin:$PATH" cuobjdump -res-usage "$cubin" |
-    awk '/Function/ {f = $2} /REG:/ {print f, $1, $2, $3, $5}' | sed 's/:$//' | column -t
+# One cubin per kernel family (kernels/src/cuda/compile.rs: PARTS).
+for cubin in "$out"/*.cubin; do
+    PATH="$bin:$PATH" cuobjdump -res-usage "$cubin" |
+        awk '/Function/ {f = $2} /REG:/ {print f, $1, $2, $3, $5}' | sed 's/:$//'
+done | column -t
 if [ -n "${1:-}" ]; then
     echo "== SASS of $1 (loads, branches, barriers, shuffles)"
-    PATH="$bin:$PATH" cuobjdump -sass -fun "$1" "$cubin" |
-        grep -E "LDG|STG|BRA|BAR|SHFL|LDS|STS" | sed 's@/\*[0-9a-fx]*\*/@@; s@ */\* 0x[0-9a-f]* \*/@@'
+    for cubin in "$out"/*.cubin; do
+        PATH="$bin:$PATH" cuobjdump -sass -fun "$1" "$cubin" 2>/dev/null || true
+    done | grep -E "LDG|STG|BRA|BAR|SHFL|LDS|STS" | sed 's@/\*[0-9a-fx]*\*/@@; s@ */\* 0x[0-9a-f]* \*/@@'
 fi

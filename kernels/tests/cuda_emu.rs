@@ -858,3 +858,36 @@ fn a_kernel_reading_past_its_allocation_faults() {
     dev.gemv_kernel(GemvKernel::OneWarpRows, Elem::F32, &outs, &xin, 0.0)
         .unwrap();
 }
+
+/// A full-warp shuffle after some of the warp's lanes returned is undefined on a GPU (it reads
+/// lanes that are gone, or hangs); the emulator aborts on it, so a kernel doing it fails its
+/// test here instead of giving garbage on a GPU. Checked in a child process.
+#[test]
+fn a_shuffle_after_lanes_returned_aborts() {
+    const CHILD: &str = "THAW_EMU_SHUFFLE_CHILD";
+    if let Ok(n) = std::env::var(CHILD) {
+        let sum = emu::selftest_shuffle_after_exit(n.parse().unwrap());
+        assert_eq!(sum, 32.0);
+        return;
+    }
+    for (exit_lanes, aborts) in [(0u32, false), (1, true), (16, true)] {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "a_shuffle_after_lanes_returned_aborts"])
+            .args(["--nocapture", "--test-threads=1"])
+            .env(CHILD, exit_lanes.to_string())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if aborts {
+            use std::os::unix::process::ExitStatusExt;
+            assert_eq!(
+                out.status.signal(),
+                Some(libc::SIGABRT),
+                "{exit_lanes}: {stderr}"
+            );
+            assert!(stderr.contains("full-warp shuffle"), "{stderr}");
+        } else {
+            assert!(out.status.success(), "{exit_lanes}: {stderr}");
+        }
+    }
+}

@@ -76,6 +76,10 @@ enum Cmd {
         /// Cache directory (default: $THAW_HOME/ptx, where `serve --device cuda` looks).
         #[arg(long)]
         out: Option<PathBuf>,
+        /// Kernel families compiled at once (default: one per core, as a cold start does; 1
+        /// times each alone).
+        #[arg(long, default_value_t = thaw_kernels::cuda::compile::default_jobs())]
+        jobs: usize,
     },
 }
 
@@ -352,7 +356,7 @@ fn run(cli: Cli) -> Result<()> {
             })?;
         }
         #[cfg(feature = "cuda")]
-        Cmd::Kernels { arch, out } => {
+        Cmd::Kernels { arch, out, jobs } => {
             let dir = out
                 .or_else(thaw_runtime::device_model::ptx_cache_dir)
                 .context("no cache directory")?;
@@ -363,17 +367,22 @@ fn run(cli: Cli) -> Result<()> {
                     .with_context(|| format!("--arch '{a}': expected MAJOR.MINOR, e.g. 9.0"))?;
                 // The cubin (what a cold start loads) and the PTX (for the driver to compile
                 // where the cubin does not fit the GPU).
-                use thaw_kernels::cuda::compile::{compile_cached, Form};
+                use thaw_kernels::cuda::compile::{compile_cached_jobs, Form};
                 for form in [Form::Cubin, Form::Ptx] {
-                    let p = compile_cached((major, minor), form, Some(&dir))?;
+                    let p = compile_cached_jobs((major, minor), form, Some(&dir), jobs)?;
+                    let parts: Vec<String> = (thaw_kernels::cuda::compile::PARTS.iter())
+                        .zip(&p.part_seconds)
+                        .map(|(part, s)| format!("{} {:.0} ms", part.name, s * 1e3))
+                        .collect();
                     eprintln!(
-                        "sm_{major}{minor} {form:?}: {} in {:.0} ms → {}",
+                        "sm_{major}{minor} {form:?}: {} in {:.0} ms ({}) → {}",
                         if p.cache_hit {
                             "already cached"
                         } else {
                             "compiled"
                         },
                         p.seconds * 1e3,
+                        parts.join(", "),
                         dir.display()
                     );
                 }

@@ -1,6 +1,7 @@
 // The CPU emulator's launch machinery and its C entry points (one per kernel).
 #include "shim.h"
 
+#include <atomic>
 #include <barrier>
 #include <signal.h>
 #include <unistd.h>
@@ -19,6 +20,9 @@ struct Block {
     std::unique_ptr<std::barrier<>> all;
     std::vector<std::unique_ptr<std::barrier<>>> warps;
     std::vector<float> exchange;
+    // Lanes of each warp that have returned: a shuffle over the full mask then reads a lane
+    // that no longer exists — undefined on a GPU (garbage or a hang), an abort here.
+    std::unique_ptr<std::atomic<int>[]> exited;
 };
 Block* current = nullptr;
 }  // namespace
@@ -29,6 +33,14 @@ float emu_shfl_xor(float v, int lane_mask) {
     unsigned t = threadIdx.x, w = t / 32, lane = t % 32;
     current->exchange[t] = v;
     current->warps[w]->arrive_and_wait();
+    // (After the barrier: every lane has either arrived or returned, and counted itself.)
+    if (current->exited[w].load() > 0) {
+        fprintf(stderr,
+                "thaw emulator: a full-warp shuffle in warp %u of block (%u, %u) after %d of its "
+                "lanes returned (undefined on a GPU)\n",
+                w, blockIdx.x, blockIdx.y, current->exited[w].load());
+        abort();
+    }
     float r = current->exchange[w * 32 + (lane ^ (unsigned)lane_mask)];
     current->warps[w]->arrive_and_wait();
     return r;
@@ -87,6 +99,7 @@ void launch(const char* name, unsigned gx, unsigned gy, unsigned threads, F f) {
             for (unsigned w = 0; w < threads / 32; w++)
                 b.warps.push_back(std::make_unique<std::barrier<>>(32));
             b.exchange.assign(threads, 0.0f);
+            b.exited = std::make_unique<std::atomic<int>[]>(threads / 32);
             current = &b;
             std::vector<std::thread> ts;
             ts.reserve(threads);
@@ -95,6 +108,7 @@ void launch(const char* name, unsigned gx, unsigned gy, unsigned threads, F f) {
                     threadIdx = emu_uint3{t, 0, 0};
                     f();
                     // An exited thread no longer holds up barriers (as on a GPU).
+                    b.exited[t / 32]++;
                     b.all->arrive_and_drop();
                     b.warps[t / 32]->arrive_and_drop();
                 });
@@ -180,4 +194,14 @@ void thaw_emu_attention_prefill(unsigned tiles, unsigned kv_heads, const float* 
                           block_size, block_stride, layer_off, n_heads, n_kv, hd, scale, out,
                           out_kind);
     });
-}}
+}
+// The emulator's own check, tested: `exit_lanes` lanes of one warp return, the others then sum
+// over the full warp (aborts unless exit_lanes is 0; the sum of ones otherwise).
+void thaw_emu_selftest_shuffle_after_exit(int exit_lanes, float* out) {
+    launch("selftest", 1, 1, 32, [=] {
+        if ((int)threadIdx.x >= 32 - exit_lanes) return;
+        float v = warp_sum(1.0f);
+        if (threadIdx.x == 0) *out = v;
+    });
+}
+}

@@ -123,6 +123,7 @@ extern "C" {
         nsplit: i32,
         part: *mut f32,
     );
+    fn thaw_emu_selftest_shuffle_after_exit(exit_lanes: i32, out: *mut f32);
     fn thaw_emu_attention_prefill(
         tiles: u32,
         kv_heads: u32,
@@ -516,6 +517,17 @@ pub fn attention_prefill(
         )
     }
     copy_back(&fo, out);
+}
+
+/// The emulator checking itself: `exit_lanes` lanes of a warp return, then the rest sum ones
+/// over the full warp. With 0, the sum (32); otherwise the process aborts, as a full-warp
+/// shuffle after lanes returned is undefined on a GPU.
+pub fn selftest_shuffle_after_exit(exit_lanes: u32) -> f32 {
+    assert!(exit_lanes < 32);
+    let mut out = 0f32;
+    // SAFETY: the kernel writes one f32 to `out`.
+    unsafe { thaw_emu_selftest_shuffle_after_exit(exit_lanes as i32, &mut out) };
+    out
 }
 
 pub mod device;

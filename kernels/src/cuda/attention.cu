@@ -249,6 +249,8 @@ __device__ __forceinline__ void attention_body(
     }
 }
 
+// (THAW_SKIP_*: compile.rs compiles this file as two programs at once, decode and prefill.)
+#ifndef THAW_SKIP_DECODE
 KERNEL void __launch_bounds__(DEC_WARPS * 32)
 attention(const float* q, const void* kc, const void* vc, int kv_kind, const u32* rows_map,
           const u32* pos_of_row, const u32* table_off, const u32* tables, int block_size,
@@ -297,6 +299,7 @@ KERNEL void attention_merge(const float* part, const u32* rows_map, const u32* p
             store_elem(out, ((i64)r * n_heads + head) * hd + d, o[j] * inv, out_kind);
     }
 }
+#endif
 
 #define PF_KEYS 32  // keys staged in shared memory per tile
 
@@ -307,6 +310,7 @@ KERNEL void attention_merge(const float* part, const u32* rows_map, const u32* p
 // row of the tile, with an online softmax per (row, head) — so each key/value row leaves global
 // memory once per tile instead of once per query row. Same arithmetic per position as
 // `attention`; a row's positions are visited in order by one warp.
+#ifndef THAW_SKIP_PREFILL
 KERNEL void __launch_bounds__(ATT_WARPS * 32)
 attention_prefill(const float* q, const void* kc, const void* vc, int kv_kind,
                   const u32* tile_row0, const u32* tile_rows, const u32* pos_of_row,
@@ -367,3 +371,4 @@ attention_prefill(const float* q, const void* kc, const void* vc, int kv_kind,
         }
     }
 }
+#endif

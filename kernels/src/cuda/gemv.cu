@@ -270,9 +270,14 @@ __device__ __forceinline__ void gemv_body(GEMV_ARGS, float (*red)[OUTS * ROWS + 
 // more blocks resident), one row with 16-byte loads (twice the bytes in flight per thread for
 // the same load instructions; `Gpu::gemv_vec16` picks it where the product is 16-byte aligned
 // and `gemv1r` below does not take it).
+// (THAW_SKIP_*: compile.rs compiles this file as three programs at once, one per family.)
+#ifndef THAW_SKIP_GEMV_ROWS
 KERNEL void gemv(GEMV_ARGS) { GEMV_CALL(GEMV_MAX_ROWS, 4, 4) }
+#endif
+#ifndef THAW_SKIP_GEMV_ONE
 KERNEL void gemv1(GEMV_ARGS) { GEMV_CALL(1, 4, 4) }
 KERNEL void gemv1v(GEMV_ARGS) { GEMV_CALL(1, 4, 8) }
+#endif
 
 // One-row products, a warp per GEMV_WR outputs (`gemv1r`): the activations are staged once per
 // block in shared memory (normalized and rounded to W's kind under a norm, exactly as the
@@ -403,6 +408,7 @@ __device__ __forceinline__ void gemv_warp_body(GEMV_ARGS, unsigned char* xs, flo
     }
 }
 
+#ifndef THAW_SKIP_GEMV_WARP
 KERNEL void gemv1r(GEMV_ARGS) {
     __shared__ uint4 xs4[GEMV_XS_BYTES / 16];  // (uint4: 16-byte aligned)
     unsigned char* xs = (unsigned char*)xs4;
@@ -415,3 +421,4 @@ KERNEL void gemv1r(GEMV_ARGS) {
         else gemv_warp_body<0, false>(w0, w1, w2, y0, y1, y2, n0, n1, n2, w_kind, x, rows, K, norm, eps, beta, xs, red);
     }
 }
+#endif

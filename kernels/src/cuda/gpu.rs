@@ -147,7 +147,12 @@ impl Gpu {
         let arch = info.compute_capability;
         let mut image = compile::module_image(arch, ptx_cache)?;
         let t = Instant::now();
-        let module = match ctx.load_module(image.module_input()) {
+        let load_all = |image: &compile::Compiled| {
+            (0..compile::PARTS.len())
+                .map(|i| ctx.load_module(image.module_input(i)))
+                .collect::<Result<Vec<_>, _>>()
+        };
+        let modules = match load_all(&image) {
             Ok(m) => m,
             Err(_) if image.cache_hit => {
                 // A cached image the driver refuses (e.g. written by a newer NVRTC): compile
@@ -156,11 +161,15 @@ impl Gpu {
                     compile::forget(arch, image.form, dir);
                 }
                 image = compile::module_image(arch, ptx_cache)?;
-                ctx.load_module(image.module_input()).map_err(drv)?
+                load_all(&image).map_err(drv)?
             }
             Err(e) => return Err(drv(e)),
         };
-        let f = |name: &str| module.load_function(name).map_err(drv);
+        let f = |name: &str| {
+            let part = compile::part_of(name)
+                .ok_or_else(|| CudaError::Driver(format!("kernel {name} is in no part")))?;
+            modules[part].load_function(name).map_err(drv)
+        };
         let k = Kernels {
             widen: f("widen")?,
             embed: f("embed")?,
