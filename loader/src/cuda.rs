@@ -195,8 +195,14 @@ pub struct DeviceLoad {
     pub plan: LoadPlan,
     pub stats: LoadStats,
     pub shards: Vec<CudaSlice<u8>>,
-    /// Pinned staging buffers allocated, device memory allocated (seconds).
+    /// Allocation on the load's critical path (seconds): device memory, and pinned staging
+    /// buffers when they are allocated up front.
     pub alloc_s: f64,
+    /// Pinned staging buffers allocated in the background: the wait for the first (on the
+    /// critical path), and all allocations summed over their threads (overlapped with the
+    /// load). Zero when allocated up front.
+    pub pinned_first_s: f64,
+    pub pinned_background_s: f64,
     /// Of which device memory (inside the load's timed span: before the first copy).
     pub device_alloc_s: f64,
     /// Time the reads waited for host → device copies, plus the final copies' tail: the copy
@@ -218,6 +224,10 @@ pub struct Staging {
     pub pin_in_place: bool,
     /// Pinned in place: chunks each worker keeps pinned (copies in flight per worker).
     pub pin_depth: usize,
+    /// All staging buffers allocated before the first read (by as many threads), instead of in
+    /// the background while the first reads run ([`StagingRing::background`]) — the A/B's
+    /// other side.
+    pub pinned_up_front: bool,
 }
 
 impl Default for Staging {
@@ -232,6 +242,7 @@ impl Default for Staging {
             write_combined: false,
             pin_in_place: false,
             pin_depth: 2,
+            pinned_up_front: false,
         }
     }
 }
@@ -271,12 +282,23 @@ pub fn load_to_device(
     let wc = staging.write_combined && job.expected.is_none();
     // (No more buffers than chunks: a small checkpoint needs no 128 MiB of pinned memory.)
     let n_bufs = staging.buffers.min(job.plan.chunks.len()).max(2);
-    let bufs = PinnedBuf::many(ctx, n_bufs, job.plan.chunk_size as usize, wc)?;
-    let mut dest = StagingRing::new(bufs, CudaCopy::new(ctx)?);
+    let chunk = job.plan.chunk_size as usize;
+    let mut dest = if staging.pinned_up_front {
+        StagingRing::new(
+            PinnedBuf::many(ctx, n_bufs, chunk, wc)?,
+            CudaCopy::new(ctx)?,
+        )
+    } else {
+        let ctx2 = ctx.clone();
+        let make: crate::staging::MakeBuf<PinnedBuf> =
+            Arc::new(move || PinnedBuf::new(&ctx2, chunk, wc));
+        StagingRing::background(n_bufs, chunk, make, CudaCopy::new(ctx)?)
+    };
     let pinned_s = t_alloc.elapsed().as_secs_f64();
     let (plan, mut stats) = load_job_into(ck, job, &mut dest, &mut |_| {})?;
     dest.finish()?;
     let copy_s = dest.copy_wait_s();
+    let (pinned_first_s, pinned_background_s) = (dest.first_buffer_s(), dest.alloc_s());
     stats.total_s = t.elapsed().as_secs_f64();
     if stats.fallback.is_none() {
         stats.fallback = fallback;
@@ -286,6 +308,8 @@ pub fn load_to_device(
         plan,
         stats,
         alloc_s: pinned_s + engine.alloc_s,
+        pinned_first_s,
+        pinned_background_s,
         device_alloc_s: engine.alloc_s,
         shards: engine.into_shards(),
         copy_s,
@@ -337,6 +361,8 @@ fn load_in_place(
         device_alloc_s: engine.alloc_s,
         shards: engine.into_shards(),
         alloc_s,
+        pinned_first_s: 0.0,
+        pinned_background_s: 0.0,
         copy_s: m.copy_wait_s,
         mapped: Some(m),
     }))

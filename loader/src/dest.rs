@@ -28,6 +28,12 @@ pub trait Destination: Sync {
     /// Memory for chunk `i`: `chunk.len` bytes, 4 KiB-aligned, the caller's alone until
     /// `landed(i)` returns.
     fn region(&self, i: usize, chunk: &Chunk) -> Result<*mut u8, LoadError>;
+    /// [`Destination::region`] if memory is ready for it, else `None` without waiting (a
+    /// destination still allocating): a reader with reads in flight then reaps those instead
+    /// of blocking behind the allocation.
+    fn try_region(&self, i: usize, chunk: &Chunk) -> Result<Option<*mut u8>, LoadError> {
+        self.region(i, chunk).map(Some)
+    }
     /// The first `len` bytes of chunk `i`'s region hold verified data.
     fn landed(&self, i: usize, chunk: &Chunk, len: u64) -> Result<(), LoadError>;
 }

@@ -839,8 +839,16 @@ fn uring_reads(
                 std::thread::yield_now();
                 continue;
             }
-            match dest.region(next, &plan.chunks[next]) {
-                Ok(p) => region[next] = p,
+            // With reads in flight, only memory that is ready: blocking here would hold back
+            // their submission and reaping (a destination still allocating buffers).
+            let r = if in_flight > 0 {
+                dest.try_region(next, &plan.chunks[next])
+            } else {
+                dest.region(next, &plan.chunks[next]).map(Some)
+            };
+            match r {
+                Ok(Some(p)) => region[next] = p,
+                Ok(None) => break,
                 Err(e) => {
                     failure = Some(Failed(e));
                     break;

@@ -9,10 +9,16 @@
 //! reads of later chunks overlap the copies of earlier ones. Buffers are reused oldest-copy
 //! first, which is also the order the copies finish. [`Destination::max_regions`] is the ring
 //! size, so the reader never asks for more buffers than exist.
+//!
+//! A ring made with [`StagingRing::background`] starts empty: its buffers are allocated on
+//! threads of their own from the moment it is made, each joining the free list when ready, and
+//! a read waits only while none is. Pinning and zeroing 16 × 8 MiB of host memory up front was
+//! all on the load's critical path before the first read; now the first read waits for one
+//! buffer, and the others' allocations overlap reads and copies already under way.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Instant;
 
 use crate::dest::Destination;
@@ -63,12 +69,34 @@ struct Ring<Ev> {
     free: VecDeque<(usize, Option<Ev>)>,
     /// Chunk index → buffer holding it.
     held: HashMap<usize, usize>,
+    /// Buffers still being allocated (a background ring).
+    pending: usize,
+    /// Why an allocation failed. The load fails: with fewer buffers than the readers were
+    /// promised (`max_regions`), a reader holding every buffer could wait on its own reads.
+    failed: Option<String>,
+}
+
+/// Makes one staging buffer (a background ring's allocator).
+pub type MakeBuf<B> = Arc<dyn Fn() -> Result<B, LoadError> + Send + Sync>;
+
+/// What the ring shares with its allocation threads.
+struct Shared<B, Ev> {
+    bufs: Vec<OnceLock<B>>,
+    ring: Mutex<Ring<Ev>>,
+    /// Signalled when a buffer joins the free list or an allocation fails.
+    ready: Condvar,
+    /// Allocation time summed over the allocating threads.
+    alloc_ns: AtomicU64,
+    /// From the ring's making to its first buffer ready: the allocation left on the critical
+    /// path.
+    first_ns: OnceLock<u64>,
 }
 
 pub struct StagingRing<B: StagingBuf, E: CopyEngine> {
-    bufs: Vec<B>,
+    shared: Arc<Shared<B, E::Event>>,
+    /// A background ring's buffer size (a ring of buffers made beforehand has them to ask).
+    buf_len: Option<usize>,
     engine: E,
-    ring: Mutex<Ring<E::Event>>,
     /// The plan's shards (where a chunk lands in device memory).
     shards: Vec<crate::plan::ShardPlan>,
     /// Time readers and `finish` spent waiting for copies (the copy work reads did not hide).
@@ -76,18 +104,95 @@ pub struct StagingRing<B: StagingBuf, E: CopyEngine> {
 }
 
 impl<B: StagingBuf, E: CopyEngine> StagingRing<B, E> {
+    /// The oldest free buffer for chunk `i` (after its previous copy is done); with `block`,
+    /// waiting for one still being allocated, else `None` while none is free.
+    fn take(&self, i: usize, _c: &Chunk, block: bool) -> Result<Option<*mut u8>, LoadError> {
+        let (b, ev) = {
+            let mut r = self.lock();
+            let x = loop {
+                if let Some(f) = &r.failed {
+                    return Err(err(format!("allocating a staging buffer: {f}")));
+                }
+                if let Some(x) = r.free.pop_front() {
+                    break x;
+                }
+                if r.pending == 0 {
+                    return Err(err(
+                        "a region was requested with every staging buffer in use".into(),
+                    ));
+                }
+                if !block {
+                    return Ok(None);
+                }
+                // None free yet, some still being allocated: wait for one.
+                r = self.shared.ready.wait(r).unwrap_or_else(|e| e.into_inner());
+            };
+            r.held.insert(i, x.0);
+            x
+        };
+        // The buffer's previous copy must be done before the read overwrites it.
+        if let Some(ev) = ev {
+            self.wait(ev)?;
+        }
+        Ok(Some(self.buf(b)?.ptr()))
+    }
+
+    /// A ring over buffers allocated beforehand.
     pub fn new(bufs: Vec<B>, engine: E) -> StagingRing<B, E> {
         let free = (0..bufs.len()).map(|i| (i, None)).collect();
         StagingRing {
-            bufs,
-            engine,
-            ring: Mutex::new(Ring {
-                free,
-                held: HashMap::new(),
+            shared: Arc::new(Shared {
+                bufs: bufs.into_iter().map(OnceLock::from).collect(),
+                ring: Mutex::new(Ring {
+                    free,
+                    held: HashMap::new(),
+                    pending: 0,
+                    failed: None,
+                }),
+                ready: Condvar::new(),
+                alloc_ns: AtomicU64::new(0),
+                first_ns: OnceLock::from(0),
             }),
+            buf_len: None,
+            engine,
             shards: vec![],
             waited_ns: AtomicU64::new(0),
         }
+    }
+
+    /// Buffers allocated so far.
+    pub fn buffers_created(&self) -> usize {
+        (self.shared.bufs.iter())
+            .filter(|b| b.get().is_some())
+            .count()
+    }
+
+    /// Waits until no allocation is in flight (tests; a load never needs to).
+    pub fn allocations_done(&self) {
+        let mut r = self.shared.ring.lock().unwrap_or_else(|e| e.into_inner());
+        while r.pending > 0 {
+            r = self.shared.ready.wait(r).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Seconds the allocation threads spent allocating (summed; overlapped with the load).
+    pub fn alloc_s(&self) -> f64 {
+        self.shared.alloc_ns.load(Ordering::Relaxed) as f64 / 1e9
+    }
+
+    /// Seconds from the ring's making to its first buffer (0 for buffers made beforehand).
+    pub fn first_buffer_s(&self) -> f64 {
+        self.shared.first_ns.get().copied().unwrap_or(0) as f64 / 1e9
+    }
+
+    fn buf(&self, b: usize) -> Result<&B, LoadError> {
+        self.shared.bufs[b]
+            .get()
+            .ok_or_else(|| err(format!("staging buffer {b} was never allocated")))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Ring<E::Event>> {
+        self.shared.ring.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn wait(&self, ev: E::Event) -> Result<(), LoadError> {
@@ -107,7 +212,7 @@ impl<B: StagingBuf, E: CopyEngine> StagingRing<B, E> {
     /// Waits for every copy still in flight; then the device holds every landed chunk.
     pub fn finish(&self) -> Result<(), LoadError> {
         let pending: Vec<E::Event> = {
-            let mut r = self.ring.lock().unwrap_or_else(|e| e.into_inner());
+            let mut r = self.lock();
             r.free.iter_mut().filter_map(|(_, ev)| ev.take()).collect()
         };
         for ev in pending {
@@ -125,6 +230,69 @@ impl<B: StagingBuf, E: CopyEngine> StagingRing<B, E> {
     }
 }
 
+impl<B: StagingBuf + 'static, E: CopyEngine> StagingRing<B, E>
+where
+    E::Event: 'static,
+{
+    /// A ring of `size` buffers of `buf_len` bytes, each made by `make` on a thread of its own,
+    /// starting now (see the module doc).
+    pub fn background(size: usize, buf_len: usize, make: MakeBuf<B>, engine: E) -> Self {
+        let t0 = Instant::now();
+        let shared = Arc::new(Shared {
+            bufs: (0..size).map(|_| OnceLock::new()).collect(),
+            ring: Mutex::new(Ring {
+                free: VecDeque::new(),
+                held: HashMap::new(),
+                pending: size,
+                failed: None,
+            }),
+            ready: Condvar::new(),
+            alloc_ns: AtomicU64::new(0),
+            first_ns: OnceLock::new(),
+        });
+        for i in 0..size {
+            let (sh, make) = (shared.clone(), make.clone());
+            // Detached: a load that fails early does not wait for allocations it no longer
+            // needs; such a buffer is freed with the last reference to `shared`.
+            std::thread::spawn(move || {
+                let t = Instant::now();
+                let r = make().and_then(|b| {
+                    if b.len() < buf_len {
+                        return Err(err(format!(
+                            "a staging buffer of {} bytes was made for {buf_len}",
+                            b.len()
+                        )));
+                    }
+                    Ok(b)
+                });
+                sh.alloc_ns
+                    .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                let mut ring = sh.ring.lock().unwrap_or_else(|e| e.into_inner());
+                ring.pending -= 1;
+                match r {
+                    Ok(b) => {
+                        let _ = sh.bufs[i].set(b);
+                        let _ = sh.first_ns.set(t0.elapsed().as_nanos() as u64);
+                        ring.free.push_back((i, None));
+                    }
+                    Err(e) => {
+                        ring.failed.get_or_insert(e.to_string());
+                    }
+                }
+                drop(ring);
+                sh.ready.notify_all();
+            });
+        }
+        StagingRing {
+            shared,
+            buf_len: Some(buf_len),
+            engine,
+            shards: vec![],
+            waited_ns: AtomicU64::new(0),
+        }
+    }
+}
+
 fn err(msg: String) -> LoadError {
     LoadError::invalid(std::path::Path::new("staging ring"), msg)
 }
@@ -132,10 +300,10 @@ fn err(msg: String) -> LoadError {
 impl<B: StagingBuf, E: CopyEngine> Destination for StagingRing<B, E> {
     fn prepare(&mut self, plan: &LoadPlan) -> Result<(), LoadError> {
         let biggest = plan.chunks.iter().map(|c| c.len).max().unwrap_or(0) as usize;
-        if let Some(small) = self.bufs.iter().find(|b| b.len() < biggest) {
+        let made = (self.shared.bufs.iter()).filter_map(|b| b.get().map(|b| b.len()));
+        if let Some(small) = made.chain(self.buf_len).find(|&l| l < biggest) {
             return Err(err(format!(
-                "staging buffers of {} bytes cannot hold chunks of {biggest}",
-                small.len()
+                "staging buffers of {small} bytes cannot hold chunks of {biggest}"
             )));
         }
         self.shards = plan.shards.clone();
@@ -143,45 +311,29 @@ impl<B: StagingBuf, E: CopyEngine> Destination for StagingRing<B, E> {
     }
 
     fn max_regions(&self) -> usize {
-        self.bufs.len()
+        self.shared.bufs.len()
     }
 
-    fn region(&self, i: usize, _c: &Chunk) -> Result<*mut u8, LoadError> {
-        let (b, ev) = {
-            let mut r = self.ring.lock().unwrap_or_else(|e| e.into_inner());
-            let (b, ev) = r.free.pop_front().ok_or_else(|| {
-                err("a region was requested with every staging buffer in use".into())
-            })?;
-            r.held.insert(i, b);
-            (b, ev)
-        };
-        // The buffer's previous copy must be done before the read overwrites it.
-        if let Some(ev) = ev {
-            self.wait(ev)?;
-        }
-        Ok(self.bufs[b].ptr())
+    fn region(&self, i: usize, c: &Chunk) -> Result<*mut u8, LoadError> {
+        self.take(i, c, true)?
+            .ok_or_else(|| err("no staging buffer while waiting for one".into()))
+    }
+
+    fn try_region(&self, i: usize, c: &Chunk) -> Result<Option<*mut u8>, LoadError> {
+        self.take(i, c, false)
     }
 
     fn landed(&self, i: usize, c: &Chunk, len: u64) -> Result<(), LoadError> {
-        let b = self
-            .ring
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .held
-            .remove(&i)
+        let b = (self.lock().held.remove(&i))
             .ok_or_else(|| err(format!("chunk {i} landed without a region")))?;
         let dst = self.shards[c.shard].device_off(c.file_off);
         // SAFETY: buffer `b` holds `len` landed bytes (len ≤ its size, checked in prepare) and
         // is not handed out again before this copy's event has been waited on.
         let ev = unsafe {
             self.engine
-                .copy(self.bufs[b].ptr(), len as usize, c.shard, dst)?
+                .copy(self.buf(b)?.ptr(), len as usize, c.shard, dst)?
         };
-        self.ring
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .free
-            .push_back((b, Some(ev)));
+        self.lock().free.push_back((b, Some(ev)));
         Ok(())
     }
 }

@@ -37,9 +37,14 @@ fn checkpoint_reaches_device_memory_intact() {
     bytes.extend((0..a + b).map(|i| (i * 7 + 3) as u8));
     std::fs::write(d.path().join("model.safetensors"), &bytes).unwrap();
     let ck = Checkpoint::open(d.path()).unwrap();
-    // Through the staging ring (io_uring reads), then pinned in place from the page cache
-    // (the file was just written: resident).
-    for (strategy, pin_in_place) in [(Strategy::UringDirect, false), (Strategy::Mmap, true)] {
+    // Through the staging ring (io_uring reads; its pinned buffers allocated in the background,
+    // then up front with preads), then pinned in place from the page cache (the file was just
+    // written: resident).
+    for (strategy, pin_in_place, pinned_up_front) in [
+        (Strategy::UringDirect, false, false),
+        (Strategy::Pread, false, true),
+        (Strategy::Mmap, true, false),
+    ] {
         let opts = LoadOptions {
             strategy,
             chunk_size: 64 << 10,
@@ -55,6 +60,7 @@ fn checkpoint_reaches_device_memory_intact() {
                 write_combined: false,
                 pin_in_place,
                 pin_depth: 2,
+                pinned_up_front,
             },
         )
         .unwrap();

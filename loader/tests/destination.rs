@@ -177,3 +177,97 @@ fn staging_ring_reuses_buffers_and_reassembles_every_byte() {
         .to_string();
     assert!(e.contains("cannot hold chunks"), "{e}");
 }
+
+/// A background ring allocates its buffers on threads of its own from the moment it is made,
+/// and a read waits only while no buffer is ready: here buffer i takes i × 60 ms to make, and
+/// the load (a few milliseconds of reads and fake copies) finishes on the first buffers while
+/// the last is still being made — before, all of them preceded the first read. Every byte
+/// still lands and no buffer is refilled under a pending copy; a failing allocation fails the
+/// load with its error; buffers smaller than a chunk are refused before any read.
+#[test]
+fn a_background_ring_starts_reading_before_its_buffers_are_all_made() {
+    let d = tempfile::tempdir().unwrap();
+    let ck = common::two_shards(d.path());
+    let caller = std::thread::current().id();
+    for strategy in [Strategy::Pread, Strategy::UringDirect] {
+        let makers: Arc<Mutex<Vec<std::thread::ThreadId>>> = Default::default();
+        let (m, next) = (makers.clone(), Arc::new(AtomicUsize::new(0)));
+        let make: thaw_loader::staging::MakeBuf<AlignedBuf> = Arc::new(move || {
+            let i = next.fetch_add(1, Ordering::SeqCst);
+            std::thread::sleep(std::time::Duration::from_millis(60 * i as u64));
+            m.lock().unwrap().push(std::thread::current().id());
+            Ok(AlignedBuf::zeroed(64 << 10))
+        });
+        let mut ring = StagingRing::background(4, 64 << 10, make, FakeGpu::new());
+        let opts = LoadOptions {
+            strategy,
+            chunk_size: 64 << 10,
+            queue_depth: 8,
+            threads: 3,
+            verify: Verify::Required,
+        };
+        let (plan, stats) = load_into(&ck, &opts, &mut ring, &mut |_| {}).unwrap();
+        ring.finish().unwrap();
+        let what = format!("{strategy:?}");
+        let made_during_load = ring.buffers_created();
+        assert!(stats.verified);
+        assert!(
+            made_during_load < 4,
+            "{what}: the load waited for every buffer"
+        );
+        assert!(
+            plan.chunks.len() > made_during_load,
+            "buffers must be reused"
+        );
+        ring.allocations_done();
+        assert_eq!(ring.buffers_created(), 4, "{what}");
+        let made = makers.lock().unwrap().clone();
+        assert!(!made.contains(&caller), "{what}: {made:?}");
+        assert!(
+            ring.first_buffer_s() < 0.06,
+            "{what}: {}",
+            ring.first_buffer_s()
+        );
+        let gpu = ring.into_engine();
+        assert_eq!(gpu.copies.load(Ordering::SeqCst), plan.chunks.len());
+        assert_eq!(gpu.overwritten.load(Ordering::SeqCst), 0, "{what}");
+        common::assert_on_device(&plan, &gpu.device.lock().unwrap(), &what);
+    }
+    // The second allocation fails at once, the first takes 100 ms: the load fails with the
+    // allocator's error (instead of running on fewer buffers than its readers were promised).
+    let next = Arc::new(AtomicUsize::new(0));
+    let make: thaw_loader::staging::MakeBuf<AlignedBuf> = Arc::new(move || {
+        if next.fetch_add(1, Ordering::SeqCst) == 1 {
+            return Err(LoadError::invalid(
+                std::path::Path::new("pinned"),
+                "out of pinned memory".to_string(),
+            ));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        Ok(AlignedBuf::zeroed(64 << 10))
+    });
+    let mut ring = StagingRing::background(2, 64 << 10, make, FakeGpu::new());
+    let opts = LoadOptions {
+        strategy: Strategy::Pread,
+        chunk_size: 64 << 10,
+        threads: 2,
+        ..LoadOptions::default()
+    };
+    let e = load_into(&ck, &opts, &mut ring, &mut |_| {})
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("out of pinned memory"), "{e}");
+    // Buffers smaller than chunks: refused before any read.
+    let make: thaw_loader::staging::MakeBuf<AlignedBuf> = Arc::new(|| Ok(AlignedBuf::zeroed(4096)));
+    let mut ring = StagingRing::background(4, 4096, make, FakeGpu::new());
+    let opts = LoadOptions {
+        chunk_size: 64 << 10,
+        ..LoadOptions::default()
+    };
+    let e = load_into(&ck, &opts, &mut ring, &mut |_| {})
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("cannot hold chunks"), "{e}");
+}

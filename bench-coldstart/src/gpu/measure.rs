@@ -121,9 +121,14 @@ pub fn load_sweep(dir: &Path, device: usize, h2d: f64) -> Result<Value> {
         pin_depth,
         ..def
     };
+    let up_front = Staging {
+        pinned_up_front: true,
+        ..staged(16, false)
+    };
     let configs = [
         (def.buffers, base.chunk_size, def),
         (16, 8 << 20, staged(16, false)),
+        (16, 8 << 20, up_front),
         (8, 8 << 20, staged(8, false)),
         (16, 4 << 20, staged(16, false)),
         (16, 8 << 20, staged(16, true)),
@@ -169,9 +174,18 @@ pub fn load_sweep(dir: &Path, device: usize, h2d: f64) -> Result<Value> {
                 m.copy_wait_s * 1e3
             ),
             None => format!(
-                "staged, {threads:>2} buffers × {:>2} MiB{}{}: copy wait {:.0} ms",
+                "staged, {threads:>2} buffers × {:>2} MiB{}{}{}: copy wait {:.0} ms",
                 chunk >> 20,
                 if staging.write_combined { ", write-combined" } else { "" },
+                if staging.pinned_up_front {
+                    ", pinned up front".to_string()
+                } else {
+                    format!(
+                        ", pinned in the background (first {:.1} ms, {:.0} ms summed)",
+                        l.pinned_first_s * 1e3,
+                        l.pinned_background_s * 1e3
+                    )
+                },
                 l.stats.fallback.as_deref().map(|f| format!(" (fallback: {f})")).unwrap_or_default(),
                 l.copy_s * 1e3
             ),
@@ -187,7 +201,9 @@ pub fn load_sweep(dir: &Path, device: usize, h2d: f64) -> Result<Value> {
                          "pin_in_place": l.mapped.is_some(), "pin_depth": staging.pin_depth,
                          "mapped": l.mapped, "fallback": l.stats.fallback,
                          "gb_per_s": gbs, "plan_s": l.stats.plan_s, "read_s": l.stats.io_s,
-                         "alloc_s": l.alloc_s, "device_alloc_s": l.device_alloc_s, "copy_wait_s": l.copy_s, "total_s": l.stats.total_s}));
+                         "alloc_s": l.alloc_s, "device_alloc_s": l.device_alloc_s,
+                         "pinned_up_front": staging.pinned_up_front, "pinned_first_s": l.pinned_first_s,
+                         "pinned_background_s": l.pinned_background_s, "copy_wait_s": l.copy_s, "total_s": l.stats.total_s}));
     }
     if let Some(best) = rows.iter().max_by(|a, b| {
         let g = |v: &Value| v["gb_per_s"].as_f64().unwrap_or(0.0);
