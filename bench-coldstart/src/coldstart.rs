@@ -389,11 +389,16 @@ pub fn run(a: ColdstartArgs) -> Result<()> {
     if !peer_runs.is_empty() {
         row(&a.peer_label, &peer_runs);
     }
-    // Phase medians in the order they happen.
-    let order = [
+    // Phase medians in the order they happen (the GPU's own after device_init), then any other
+    // phase a server reported.
+    let mut order: Vec<&str> = vec![
         "exec",
+        "device_probe",
         "runtime_init",
         "device_init",
+        "compile",
+        "module_load",
+        "alloc",
         "plan",
         "read",
         "copy",
@@ -402,6 +407,13 @@ pub fn run(a: ColdstartArgs) -> Result<()> {
         "warmup",
         "first_token",
     ];
+    for r in &thaw_runs {
+        for (n, _) in &r.phases {
+            if !order.contains(&n.as_str()) {
+                order.push(n.as_str());
+            }
+        }
+    }
     let phases: Vec<(String, f64)> = order
         .iter()
         .filter_map(|p| {

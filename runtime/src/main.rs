@@ -322,7 +322,10 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Generate(a) => run_generate(a)?,
         Cmd::Serve(a) => {
+            let t = Instant::now();
             let device = device::resolve(a.load.device, &mut |n| eprintln!("note: {n}"))?;
+            let device_probe_s =
+                (a.load.device != DeviceChoice::Cpu).then(|| t.elapsed().as_secs_f64());
             if a.serve_while_loading && device != Device::Cpu {
                 eprintln!(
                     "note: --serve-while-loading applies to the CPU backend; the GPU loads fully before serving"
@@ -353,6 +356,7 @@ fn run(cli: Cli) -> Result<()> {
                 serve_while_loading: a.serve_while_loading && device == Device::Cpu,
                 load: a.load.options(),
                 device,
+                device_probe_s,
             })?;
         }
         #[cfg(feature = "cuda")]

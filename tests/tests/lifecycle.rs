@@ -39,7 +39,9 @@ fn ready_state(s: &Server) -> (u16, String) {
 #[test]
 fn lazy_start_loads_on_the_first_request() {
     model_dir("default");
-    let s = Server::spawn(&["--lazy"]);
+    // `--device auto` probes the GPU driver (none in this build, or none here: the CPU): the
+    // probe is its own phase, not part of `exec`.
+    let s = Server::spawn(&["--lazy", "--device", "auto"]);
     assert_eq!(ready_state(&s), (503, "cold".to_string()));
     assert_eq!(s.status("/health"), 200);
     let r = invoke(&s);
@@ -51,6 +53,7 @@ fn lazy_start_loads_on_the_first_request() {
     assert!(v["timings"]["load_ms"].as_f64().unwrap() > 0.0);
     for p in [
         "exec",
+        "device_probe",
         "runtime_init",
         "plan",
         "read",

@@ -89,6 +89,8 @@ pub struct ServeOptions {
     pub serve_while_loading: bool,
     /// The backend (resolved from `--device`).
     pub device: Device,
+    /// Seconds resolving `--device` spent probing the GPU driver (None: not probed).
+    pub device_probe_s: Option<f64>,
 }
 
 /// The reader thread of a streaming load: final stats, or the load's error.
@@ -233,7 +235,7 @@ async fn termination() {
 /// load or the port cannot be bound.
 pub fn serve(o: ServeOptions) -> Result<(), RuntimeError> {
     START.get_or_init(Instant::now);
-    telemetry::mark_entry();
+    telemetry::mark_entry(o.device_probe_s);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("thaw-http")

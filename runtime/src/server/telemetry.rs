@@ -3,13 +3,14 @@
 //! that waited for it show them.
 //!
 //! Phases, in order: `exec` (process exec → `thaw serve` entry, from /proc: 10 ms resolution),
-//! `runtime_init` (entry → port listening), `device_init` (compute threads, or the CUDA context; on a GPU then
+//! `device_probe` (`--device cuda|auto` asking the GPU driver for devices: `cuInit`, measured
+//! apart from `exec`, which ran before it), `runtime_init` (entry → port listening), `device_init` (compute threads, or the CUDA context; on a GPU then
 //! `compile` (NVRTC, or the PTX cache), `module_load` and `alloc`),
 //! `plan` (checkpoint open, header parse, read plan), `read` (bytes into memory), `copy`
 //! (host → device; zero on the CPU, where weights are used in place), `verify` (integrity
 //! hashes not hidden behind reads), `tokenizer`, `warmup` (engine start and one short request),
-//! `first_token` (ready → first token of the first request). `exec` and `runtime_init` belong
-//! to the process's first load only; a return from `parked` starts at `device_init`.
+//! `first_token` (ready → first token of the first request). `exec`, `device_probe` and
+//! `runtime_init` belong to the process's first load only; a return from `parked` starts at `device_init`.
 
 use std::sync::Mutex;
 use std::time::Instant;
@@ -20,7 +21,7 @@ use super::metrics::METRICS;
 
 /// Process-level phases, measured once and handed to the first cold start.
 static PROCESS: Mutex<Option<Vec<(&'static str, f64)>>> = Mutex::new(None);
-static ENTRY: Mutex<Option<(Instant, f64)>> = Mutex::new(None);
+static ENTRY: Mutex<Option<(Instant, f64, Option<f64>)>> = Mutex::new(None);
 
 /// Seconds since this process was exec'd, from /proc/self/stat (clock ticks since boot) and
 /// CLOCK_BOOTTIME. None where /proc is unavailable.
@@ -44,19 +45,22 @@ fn since_exec() -> Option<f64> {
     Some((now - start_ticks / hz).max(0.0))
 }
 
-/// Call first thing in `thaw serve`.
-pub fn mark_entry() {
-    let exec = since_exec().unwrap_or(0.0);
-    *ENTRY.lock().unwrap_or_else(|e| e.into_inner()) = Some((Instant::now(), exec));
+/// Call first thing in `thaw serve`, with the seconds `--device` resolution spent probing the
+/// GPU driver before it (`cuInit` and a device count: ~0.1 s on a GPU host, counted as its own
+/// phase, `device_probe`, instead of inside `exec`; `None` where nothing was probed).
+pub fn mark_entry(device_probe_s: Option<f64>) {
+    let exec = since_exec().unwrap_or(0.0) - device_probe_s.unwrap_or(0.0);
+    *ENTRY.lock().unwrap_or_else(|e| e.into_inner()) =
+        Some((Instant::now(), exec.max(0.0), device_probe_s));
 }
 
 /// Call once the port is listening.
 pub fn mark_listening() {
-    if let Some((t, exec)) = *ENTRY.lock().unwrap_or_else(|e| e.into_inner()) {
-        *PROCESS.lock().unwrap_or_else(|e| e.into_inner()) = Some(vec![
-            ("exec", exec),
-            ("runtime_init", t.elapsed().as_secs_f64()),
-        ]);
+    if let Some((t, exec, probe)) = *ENTRY.lock().unwrap_or_else(|e| e.into_inner()) {
+        let mut phases = vec![("exec", exec)];
+        phases.extend(probe.map(|p| ("device_probe", p)));
+        phases.push(("runtime_init", t.elapsed().as_secs_f64()));
+        *PROCESS.lock().unwrap_or_else(|e| e.into_inner()) = Some(phases);
     }
 }
 
