@@ -5,6 +5,7 @@
 #                                  # GPU test binaries into dist/gpu/ (stripped, < 64 MiB)
 #   scripts/gpu-check.sh           # on the GPU host (NVIDIA driver + CUDA libraries; no Rust,
 #                                  # no network): run from dist/gpu/
+#   GPU_CHECK_QUICK=1 scripts/gpu-check.sh   # the defaults only (after changing them)
 #
 # The run: GPU tests (kernels, loader), then synthetic checkpoints made on the host
 # (`bench-coldstart synth`: SmolLM2-shaped f32 and bf16, Llama-3-8B-shaped bf16), then
@@ -115,8 +116,11 @@ big="${GPU_CHECK_BIG_SHAPE:-llama-3-8b}"  # a smaller shape only for dry runs of
 [ -f "$work/$big/config.json" ] || lim 120 "$dist/bench-coldstart" synth --shape "$big" --dtype bf16 --out "$work/$big"
 
 echo "== bench-coldstart gpu ($(( $(date +%s) - t0 )) s)"
+# GPU_CHECK_QUICK=1: the defaults only (a confirmation run after changing them): no A/B lines,
+# no load sweep, no ncu profile.
+quick=${GPU_CHECK_QUICK:+--quick}
 lim 360 "$dist/bench-coldstart" gpu --check "$work/small-f32" --check "$work/small-bf16=$work/small-bf16-ref" \
-    --big "$work/$big" --out "$out/gpu-check.json" || status=1
+    --big "$work/$big" --out "$out/gpu-check.json" $quick || status=1
 
 echo "== thaw serve --device cuda, end to end ($(( $(date +%s) - t0 )) s)"
 cp "$dist"/tokenizer/* "$work/small-bf16/"
@@ -154,7 +158,9 @@ lim 150 "$dist/bench-coldstart" coldstart --model "$work/$big" --runs 2 --cold -
 
 echo "== ncu: GPU time per kernel of one batch-1 decode step (matrix-vector kernel vs cuBLAS) and of a 512-token prefill ($(( $(date +%s) - t0 )) s)"
 ncu_bin=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1 || true)
-if [ -n "$ncu_bin" ]; then
+if [ -n "$quick" ]; then
+    echo "skipped (GPU_CHECK_QUICK)"
+elif [ -n "$ncu_bin" ]; then
     lim 150 "$ncu_bin" --clock-control none --metrics gpu__time_duration.sum --csv \
         --log-file "$out/ncu.csv" "$dist/bench-coldstart" gpu --big "$work/$big" --profile \
         --steps 1 --out "$work/profile.json" > "$work/ncu-run.log" 2>&1 || echo "ncu: exit $?"

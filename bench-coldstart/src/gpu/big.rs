@@ -11,7 +11,8 @@ use thaw_runtime::device_model::CudaLlama;
 
 use super::measure::{decode_rate, prefill_rate};
 
-/// Decode A/B, one process per line: the matrix-vector kernels (rows ≤ GEMV_MAX_ROWS) vs cuBLAS
+/// Decode A/B, one process per line: the model's defaults as shipped ("default": no
+/// overrides — the figure the aim is about), then the matrix-vector kernels (rows ≤ GEMV_MAX_ROWS) vs cuBLAS
 /// alone. "gemv": as the model would run them (one row: x staged in shared memory, a warp per
 /// 2 outputs, 16-byte loads — the checkpoint's tensors are 16-byte aligned on the device);
 /// "gemv-block": one row by a block per 4 outputs (K split over the block), 16-byte loads;
@@ -19,7 +20,10 @@ use super::measure::{decode_rate, prefill_rate};
 /// instead of folding them into the products; "gemv-persistent" launches only the blocks the
 /// device holds at once; "+graphs": each decode step replayed from a recording of its shape
 /// (CUDA graphs) instead of queued launch by launch.
-pub const DECODE_MODES: [(usize, &str); 18] = [
+pub const DECODE_MODES: [(usize, &str); 21] = [
+    (1, "default"),
+    (8, "default"),
+    (32, "default"),
     (1, "gemv"),
     (1, "gemv-block"),
     (1, "gemv-8B"),
@@ -74,6 +78,9 @@ pub fn big_load(dir: &Path, device: usize, h2d: f64) -> Result<Value> {
 
 /// Sets the model's product path to `mode` (see [`DECODE_MODES`]).
 fn apply_mode(m: &CudaLlama, mode: &str) -> Result<()> {
+    if mode == "default" {
+        return Ok(());
+    }
     let graphs = mode.ends_with("+graphs");
     let kernels = mode.trim_end_matches("+graphs");
     if !matches!(

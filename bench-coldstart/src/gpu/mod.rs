@@ -55,6 +55,11 @@ pub struct GpuArgs {
     /// 32-token prefill each (a short run to put under a profiler such as `ncu`).
     #[arg(long)]
     profile: bool,
+    /// Only the defaults as shipped: each checkpoint checked in the default mode, the 8B load,
+    /// its decode at batch 1/8/32 and prefill — no A/B lines, no load sweep (a confirmation run
+    /// after changing defaults: about a third of the full run).
+    #[arg(long)]
+    quick: bool,
     /// (Internal) run one stage in this process and write its JSON to `--out`.
     #[arg(long, hide = true)]
     stage: Option<String>,
@@ -188,9 +193,19 @@ fn best_lines(dec: &[Value]) {
             .copied()
             .max_by(|a, b| rate(a).total_cmp(&rate(b)));
         let base = rows.iter().find(|d| d["mode"] == "cuBLAS");
+        let default = rows
+            .iter()
+            .find(|d| d["mode"] == "default")
+            .map_or(String::new(), |d| {
+                format!(
+                    "; the defaults: {:.1} tokens/s ({:.0}%)",
+                    rate(d),
+                    100.0 * d["fraction_of_roofline"].as_f64().unwrap_or(0.0)
+                )
+            });
         if let (Some(best), Some(base)) = (best, base) {
             println!(
-                "decode batch {batch:>2} best: {} {:.1} tokens/s ({:.0}% of roofline) = {:.2}× cuBLAS",
+                "decode batch {batch:>2} best: {} {:.1} tokens/s ({:.0}% of roofline) = {:.2}× cuBLAS{default}",
                 best["mode"].as_str().unwrap_or("?"),
                 rate(best),
                 100.0 * best["fraction_of_roofline"].as_f64().unwrap_or(0.0),
@@ -242,7 +257,10 @@ pub fn run(a: GpuArgs) -> Result<()> {
     for spec in &a.check {
         let mut modes = vec![];
         let mut pass = true;
-        for mode in check::CHECK_MODES {
+        for mode in check::CHECK_MODES
+            .into_iter()
+            .filter(|m| !a.quick || *m == "default")
+        {
             let args = ["--stage", "check", "--check", spec, "--mode", mode];
             match child(&a, &args, secs(120)) {
                 Ok(v) => {
@@ -295,7 +313,10 @@ pub fn run(a: GpuArgs) -> Result<()> {
         out["big"] = big.clone();
         save(&mut out)?;
         let mut dec = vec![];
-        for (batch, mode) in big::DECODE_MODES {
+        for (batch, mode) in big::DECODE_MODES
+            .into_iter()
+            .filter(|(_, m)| !a.quick || *m == "default")
+        {
             let b = batch.to_string();
             let mut args = big_args("decode");
             args.extend(["--batch", &b, "--mode", mode, "--read-bw", &bw_s]);
@@ -309,10 +330,15 @@ pub fn run(a: GpuArgs) -> Result<()> {
         }
         best_lines(&dec);
         big["decode"] = json!(dec);
-        for (stage, key, limit) in [
-            ("long-context", "decode_long_context", 120),
-            ("prefill", "prefill", 90),
-        ] {
+        let stages: &[(&str, &str, u64)] = if a.quick {
+            &[("prefill", "prefill", 90)]
+        } else {
+            &[
+                ("long-context", "decode_long_context", 120),
+                ("prefill", "prefill", 90),
+            ]
+        };
+        for &(stage, key, limit) in stages {
             match child(&a, &big_args(stage), secs(limit)) {
                 Ok(v) => {
                     // A failing line inside fails the run too, after the rest was measured.
@@ -332,8 +358,9 @@ pub fn run(a: GpuArgs) -> Result<()> {
         save(&mut out)?;
         let mut args = big_args("load-sweep");
         args.extend(["--h2d", &h2d_s]);
-        match child(&a, &args, secs(180)) {
-            Ok(v) => {
+        match (!a.quick).then(|| child(&a, &args, secs(180))).transpose() {
+            Ok(None) => {}
+            Ok(Some(v)) => {
                 if let Some(e) = v
                     .as_array()
                     .and_then(|l| l.iter().find(|r| r.get("error").is_some()))
