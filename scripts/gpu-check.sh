@@ -148,6 +148,10 @@ lim 120 "$dist/bench-coldstart" coldstart --model "$work/small-bf16" --runs 3 --
     --peer "$dist/thaw serve --device cpu --model $work/small-bf16 --port {port}" --peer-label "thaw cpu" \
     --svg "$work/coldstart-cuda.svg" 2>&1 | tee "$out/coldstart.md" || status=1
 
+echo "== the same, the kernels and cuBLAS brought up beside the weight load (THAW_CUDA_OVERLAP_INIT=1) ($(( $(date +%s) - t0 )) s)"
+THAW_CUDA_OVERLAP_INIT=1 lim 120 "$dist/bench-coldstart" coldstart --model "$work/small-bf16" --runs 3 \
+    --thaw-args="--device cuda" --svg "$work/coldstart-overlap.svg" 2>&1 | tee "$out/coldstart-overlap.md" || status=1
+
 echo "== cold start of the 8B-shaped checkpoint to first token, page cache dropped ($(( $(date +%s) - t0 )) s)"
 # The serverless figure: a fresh `thaw serve --device cuda` with the weights on disk, not in
 # memory (--cold drops the page cache before each run, root; the floor is one buffered read of

@@ -132,9 +132,25 @@ fn rows_cfg(n: usize, block: u32) -> LaunchConfig {
     }
 }
 
+/// A device's context and compute stream, before its kernels and cuBLAS exist: what a weight
+/// load needs to start (the loader allocates and copies with the context alone), so
+/// [`Gpu::finish`] can run beside it.
+pub struct GpuContext {
+    pub ctx: Arc<CudaContext>,
+    pub info: DeviceInfo,
+    stream: Arc<CudaStream>,
+    context_s: f64,
+}
+
 impl Gpu {
     /// Opens device `ordinal`, compiles (or finds cached) kernels, creates cuBLAS.
     pub fn open(ordinal: usize, ptx_cache: Option<&Path>) -> Result<Gpu, CudaError> {
+        Gpu::finish(Gpu::open_context(ordinal)?, ptx_cache)
+    }
+
+    /// The first half of [`Gpu::open`]: the context (the `device_init` phase) and the compute
+    /// stream.
+    pub fn open_context(ordinal: usize) -> Result<GpuContext, CudaError> {
         let t = Instant::now();
         let (ctx, info) = super::open(ordinal)?;
         // SAFETY: thaw uses one stream per context for compute, so cross-stream tracking events
@@ -143,7 +159,23 @@ impl Gpu {
         // Its own stream (not the legacy default one, which serializes with every other
         // blocking stream and cannot be captured into a CUDA graph).
         let stream = ctx.new_stream().map_err(drv)?;
-        let context_s = t.elapsed().as_secs_f64();
+        Ok(GpuContext {
+            ctx,
+            info,
+            stream,
+            context_s: t.elapsed().as_secs_f64(),
+        })
+    }
+
+    /// The second half of [`Gpu::open`]: the kernels compiled (or read from `ptx_cache`) and
+    /// loaded, cuBLAS created on the compute stream.
+    pub fn finish(c: GpuContext, ptx_cache: Option<&Path>) -> Result<Gpu, CudaError> {
+        let GpuContext {
+            ctx,
+            info,
+            stream,
+            context_s,
+        } = c;
         let arch = info.compute_capability;
         let mut image = compile::module_image(arch, ptx_cache)?;
         let t = Instant::now();

@@ -14,7 +14,7 @@
 pub mod compile;
 mod gpu;
 
-pub use gpu::{DevBuf, Gpu, GpuInit};
+pub use gpu::{DevBuf, Gpu, GpuContext, GpuInit};
 
 use std::sync::Arc;
 

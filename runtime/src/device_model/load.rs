@@ -34,7 +34,6 @@ impl DeviceLlama<thaw_kernels::cuda::Gpu> {
         use thaw_kernels::cuda::{DevBuf, Gpu};
         use thaw_loader::cuda::Staging;
         let (cfg, ck, t) = open(dir)?;
-        let gpu = Arc::new(Gpu::open(ordinal, ptx_cache_dir().as_deref()).map_err(dev_err)?);
         // THAW_CUDA_PIN_IN_PLACE=1|0 overrides the default (A/B runs).
         let def = Staging::default();
         let staging = Staging {
@@ -42,8 +41,34 @@ impl DeviceLlama<thaw_kernels::cuda::Gpu> {
                 .map_or(def.pin_in_place, |v| v != "0"),
             ..def
         };
-        let loaded = thaw_loader::cuda::load_to_device(&ck, opts, &gpu.ctx, staging)
-            .map_err(RuntimeError::from)?;
+        let cache = ptx_cache_dir();
+        let c = Gpu::open_context(ordinal).map_err(dev_err)?;
+        let ctx = c.ctx.clone();
+        let load = || {
+            thaw_loader::cuda::load_to_device(&ck, opts, &ctx, staging).map_err(RuntimeError::from)
+        };
+        // THAW_CUDA_OVERLAP_INIT=1: the kernels (module load, or a cold cache's compile) and
+        // cuBLAS come up on a thread of their own while the weights stream in — they need only
+        // the context, as the load does. Opt-in until a GPU run's cold starts measure it
+        // (`scripts/gpu-check.sh` runs both).
+        let overlap = std::env::var("THAW_CUDA_OVERLAP_INIT").is_ok_and(|v| v != "0");
+        let (gpu, loaded) = if overlap {
+            std::thread::scope(|s| {
+                let kernels = s.spawn(|| Gpu::finish(c, cache.as_deref()));
+                let loaded = load();
+                let gpu = kernels.join().unwrap_or_else(|_| {
+                    Err(thaw_kernels::cuda::CudaError::Driver(
+                        "the kernel-loading thread panicked".into(),
+                    ))
+                });
+                (gpu, loaded)
+            })
+        } else {
+            let gpu = Gpu::finish(c, cache.as_deref()).map_err(dev_err)?;
+            (Ok(gpu), load())
+        };
+        let gpu = Arc::new(gpu.map_err(dev_err)?);
+        let loaded = loaded?;
         let offsets: Vec<u64> = (loaded.plan.shards.iter())
             .map(|s| s.device_data_offset())
             .collect();
