@@ -167,15 +167,26 @@ fn staging_ring_reuses_buffers_and_reassembles_every_byte() {
     }
     // Buffers smaller than a chunk: a clear error before any read.
     let mut ring = StagingRing::new(vec![AlignedBuf::zeroed(4096)], FakeGpu::new());
+    let e = load_error(&ck, &mut ring, Strategy::Auto);
+    assert!(e.contains("cannot hold chunks"), "{e}");
+}
+
+/// The error of a load of `ck` in 64 KiB chunks into `ring`.
+fn load_error(
+    ck: &thaw_loader::Checkpoint,
+    ring: &mut StagingRing<AlignedBuf, FakeGpu>,
+    strategy: Strategy,
+) -> String {
     let opts = LoadOptions {
+        strategy,
         chunk_size: 64 << 10,
+        threads: 2,
         ..LoadOptions::default()
     };
-    let e = load_into(&ck, &opts, &mut ring, &mut |_| {})
+    load_into(ck, &opts, ring, &mut |_| {})
         .err()
-        .unwrap()
-        .to_string();
-    assert!(e.contains("cannot hold chunks"), "{e}");
+        .expect("the load must fail")
+        .to_string()
 }
 
 /// A background ring allocates its buffers on threads of its own from the moment it is made,
@@ -247,27 +258,11 @@ fn a_background_ring_starts_reading_before_its_buffers_are_all_made() {
         Ok(AlignedBuf::zeroed(64 << 10))
     });
     let mut ring = StagingRing::background(2, 64 << 10, make, FakeGpu::new());
-    let opts = LoadOptions {
-        strategy: Strategy::Pread,
-        chunk_size: 64 << 10,
-        threads: 2,
-        ..LoadOptions::default()
-    };
-    let e = load_into(&ck, &opts, &mut ring, &mut |_| {})
-        .err()
-        .unwrap()
-        .to_string();
+    let e = load_error(&ck, &mut ring, Strategy::Pread);
     assert!(e.contains("out of pinned memory"), "{e}");
     // Buffers smaller than chunks: refused before any read.
     let make: thaw_loader::staging::MakeBuf<AlignedBuf> = Arc::new(|| Ok(AlignedBuf::zeroed(4096)));
     let mut ring = StagingRing::background(4, 4096, make, FakeGpu::new());
-    let opts = LoadOptions {
-        chunk_size: 64 << 10,
-        ..LoadOptions::default()
-    };
-    let e = load_into(&ck, &opts, &mut ring, &mut |_| {})
-        .err()
-        .unwrap()
-        .to_string();
+    let e = load_error(&ck, &mut ring, Strategy::Auto);
     assert!(e.contains("cannot hold chunks"), "{e}");
 }
