@@ -132,6 +132,11 @@ fn run_stage(a: &GpuArgs, stage: &str) -> Result<()> {
 /// Runs this binary as `gpu --stage <args…>` under `limit`, its output passed through; its
 /// JSON result, or why there is none (its error, the signal that killed it, the time limit).
 fn child(a: &GpuArgs, args: &[&str], limit: Duration) -> Result<Value> {
+    child_env(a, args, &[], limit)
+}
+
+/// [`child`] with environment variables set for the stage's process.
+fn child_env(a: &GpuArgs, args: &[&str], env: &[(&str, &str)], limit: Duration) -> Result<Value> {
     let part = a.out.with_extension("stage.json");
     let _ = std::fs::remove_file(&part);
     let mut cmd = Command::new(std::env::current_exe().context("finding this binary")?);
@@ -143,6 +148,7 @@ fn child(a: &GpuArgs, args: &[&str], limit: Duration) -> Result<Value> {
         .arg(a.steps.to_string())
         .arg("--out")
         .arg(&part)
+        .envs(env.iter().copied())
         .stdin(Stdio::null());
     let mut proc = cmd.spawn().context("starting a stage")?;
     let t = Instant::now();
@@ -312,6 +318,13 @@ pub fn run(a: GpuArgs) -> Result<()> {
         };
         out["big"] = big.clone();
         save(&mut out)?;
+        // The same load with the kernels and cuBLAS brought up beside the weights.
+        if !a.quick {
+            match child_env(&a, &args, &[("THAW_CUDA_OVERLAP_INIT", "1")], secs(150)) {
+                Ok(v) => big["overlap_init"] = v,
+                Err(e) => fail(&mut errors, "big model load (overlap init)", e),
+            }
+        }
         let mut dec = vec![];
         for (batch, mode) in big::DECODE_MODES
             .into_iter()
