@@ -174,5 +174,31 @@ else
     echo "no ncu here"
 fi
 
+echo "== issue 7's aims, from $out/gpu-check.json"
+python3 - "$out/gpu-check.json" <<'PY' || true
+import json, sys
+r = json.load(open(sys.argv[1]))
+big = r.get("big") or {}
+h2d = r.get("pinned_h2d_bytes_per_s") or 0
+if big.get("fraction_of_pinned_h2d") is not None:
+    print(f"load (defaults): {100 * big['fraction_of_pinned_h2d']:.0f}% of pinned H2D (aim >= 80%)")
+sweep = [x for x in r.get("load_sweep") or [] if x.get("gb_per_s")]
+if sweep and h2d:
+    b = max(sweep, key=lambda x: x["gb_per_s"])
+    how = "pinned in place" if b.get("pin_in_place") else "staged"
+    print(f"load (best of sweep): {100 * b['gb_per_s'] * 1e9 / h2d:.0f}% ({how}, {b['threads']} threads, {b['chunk'] >> 20} MiB)")
+dec = big.get("decode") or []
+for batch in (1, 8, 32):
+    rows = [d for d in dec if d.get("batch") == batch]
+    if not rows:
+        continue
+    d = next((d for d in rows if d["mode"] == "default"), None)
+    b = max(rows, key=lambda d: d["tokens_per_s"])
+    aim = " (aim >= 60%)" if batch == 1 else ""
+    dflt = f"defaults {100 * d['fraction_of_roofline']:.0f}%, " if d else ""
+    print(f"decode batch {batch}: {dflt}best {100 * b['fraction_of_roofline']:.0f}% ({b['mode']}) of the HBM roofline{aim}")
+print("errors:", len(r.get("errors") or []), "| checks pass:", all(c.get("pass") for c in r.get("checks") or []))
+PY
+
 echo "== done in $(( $(date +%s) - t0 )) s, status $status; results in $out/gpu-check.json"
 exit $status
