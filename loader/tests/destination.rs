@@ -183,10 +183,10 @@ fn load_error(
         threads: 2,
         ..LoadOptions::default()
     };
-    load_into(ck, &opts, ring, &mut |_| {})
-        .err()
-        .expect("the load must fail")
-        .to_string()
+    match load_into(ck, &opts, ring, &mut |_| {}) {
+        Ok(_) => panic!("the load must fail"),
+        Err(e) => e.to_string(),
+    }
 }
 
 /// A background ring allocates its buffers on threads of its own from the moment it is made,

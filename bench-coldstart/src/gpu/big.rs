@@ -9,9 +9,9 @@ use serde_json::{json, Value};
 use thaw_loader::LoadOptions;
 use thaw_runtime::compare::{prompt, rel_err};
 use thaw_runtime::device_model::CudaLlama;
-use thaw_runtime::{SeqChunk, StepModel};
+use thaw_runtime::StepModel;
 
-use super::measure::{decode_rate, prefill_rate};
+use super::measure::{decode_rate, prefill_rate, run_step};
 
 /// Decode A/B, one process per line: the model's defaults as shipped ("default": no
 /// overrides — the figure the aim is about), then the matrix-vector kernels (rows ≤ GEMV_MAX_ROWS) vs cuBLAS
@@ -163,7 +163,8 @@ pub fn decode_mode(
 /// the two differ only in accumulation order and where activations round).
 const LOGITS_LIMIT: f64 = 1e-2;
 
-/// Logits of one decode step of `batch` sequences after a 32-token prefill each (fresh cache).
+/// Logits of one decode step of `batch` sequences after a 32-token prefill each (fresh cache,
+/// block tables out of order).
 fn decode_logits(m: &CudaLlama, batch: usize) -> Result<Vec<f32>> {
     let vocab = m.cfg.vocab_size;
     let mut kv = m.new_kv(16, 3 * batch)?;
@@ -173,23 +174,9 @@ fn decode_logits(m: &CudaLlama, batch: usize) -> Result<Vec<f32>> {
     let prompts: Vec<Vec<u32>> = (0..batch)
         .map(|b| prompt(vocab, 32, 100 + b as u64))
         .collect();
-    let chunks: Vec<SeqChunk> = (0..batch)
-        .map(|b| SeqChunk {
-            tokens: &prompts[b],
-            start: 0,
-            table: &tables[b],
-        })
-        .collect();
-    m.forward_batch(&chunks, &mut kv)?;
-    let next: Vec<[u32; 1]> = (0..batch).map(|b| [prompts[b][31]]).collect();
-    let step: Vec<SeqChunk> = (0..batch)
-        .map(|b| SeqChunk {
-            tokens: &next[b],
-            start: 32,
-            table: &tables[b],
-        })
-        .collect();
-    Ok(m.forward_batch(&step, &mut kv)?)
+    run_step(m, &mut kv, &prompts, 0, &tables)?;
+    let next: Vec<Vec<u32>> = prompts.iter().map(|p| vec![p[31]]).collect();
+    run_step(m, &mut kv, &next, 32, &tables)
 }
 
 /// Long contexts: decode attention split over blocks (flash-decoding) vs one block per row and

@@ -61,6 +61,25 @@ pub fn prefill_rate(m: &CudaLlama, len: usize) -> Result<f64> {
         .fold(0.0, f64::max))
 }
 
+/// One forward pass of sequence `b`'s `tokens[b]` from position `start` through `tables[b]`
+/// for every `b`; their last tokens' logits.
+pub fn run_step(
+    m: &CudaLlama,
+    kv: &mut <CudaLlama as StepModel>::Kv,
+    tokens: &[Vec<u32>],
+    start: usize,
+    tables: &[Vec<u32>],
+) -> Result<Vec<f32>> {
+    let chunks: Vec<SeqChunk> = (tokens.iter().zip(tables))
+        .map(|(t, table)| SeqChunk {
+            tokens: t,
+            start,
+            table,
+        })
+        .collect();
+    Ok(m.forward_batch(&chunks, kv)?)
+}
+
 /// Decode tokens/s of `batch` sequences after a 32-token prefill each, the timed steps at
 /// positions `ctx`, `ctx + 1`, … (`ctx` > 32: a long context whose keys and values past the
 /// prompt are the cache's zeros — attention's cost is the same).
@@ -73,28 +92,14 @@ pub fn decode_rate(m: &CudaLlama, batch: usize, steps: usize, ctx: usize) -> Res
         .map(|b| ((b * per_seq) as u32..((b + 1) * per_seq) as u32).collect())
         .collect();
     let prompts: Vec<Vec<u32>> = (0..batch).map(|b| prompt(vocab, 32, b as u64)).collect();
-    let chunks: Vec<SeqChunk> = (0..batch)
-        .map(|b| SeqChunk {
-            tokens: &prompts[b],
-            start: 0,
-            table: &tables[b],
-        })
-        .collect();
-    m.forward_batch(&chunks, &mut kv)?;
-    let next: Vec<[u32; 1]> = (0..batch).map(|b| [b as u32 + 1]).collect();
+    run_step(m, &mut kv, &prompts, 0, &tables)?;
+    let next: Vec<Vec<u32>> = (0..batch).map(|b| vec![b as u32 + 1]).collect();
     let mut t = Instant::now();
     for s in 0..steps + 2 {
         if s == 2 {
             t = Instant::now(); // two untimed steps: cuBLAS picks its kernels
         }
-        let chunks: Vec<SeqChunk> = (0..batch)
-            .map(|b| SeqChunk {
-                tokens: &next[b],
-                start: ctx + s,
-                table: &tables[b],
-            })
-            .collect();
-        m.forward_batch(&chunks, &mut kv)?;
+        run_step(m, &mut kv, &next, ctx + s, &tables)?;
     }
     Ok((batch * steps) as f64 / t.elapsed().as_secs_f64())
 }
