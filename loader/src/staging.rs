@@ -92,6 +92,28 @@ struct Shared<B, Ev> {
     first_ns: OnceLock<u64>,
 }
 
+impl<B, Ev> Shared<B, Ev> {
+    /// Slots `bufs`, none free yet, `pending` of them still to be allocated.
+    fn new(bufs: Vec<OnceLock<B>>, pending: usize) -> Arc<Self> {
+        Arc::new(Shared {
+            bufs,
+            ring: Mutex::new(Ring {
+                free: VecDeque::new(),
+                held: HashMap::new(),
+                pending,
+                failed: None,
+            }),
+            ready: Condvar::new(),
+            alloc_ns: AtomicU64::new(0),
+            first_ns: OnceLock::new(),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Ring<Ev>> {
+        self.ring.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
 pub struct StagingRing<B: StagingBuf, E: CopyEngine> {
     shared: Arc<Shared<B, E::Event>>,
     /// A background ring's buffer size (a ring of buffers made beforehand has them to ask).
@@ -104,9 +126,9 @@ pub struct StagingRing<B: StagingBuf, E: CopyEngine> {
 }
 
 impl<B: StagingBuf, E: CopyEngine> StagingRing<B, E> {
-    /// The oldest free buffer for chunk `i` (after its previous copy is done); with `block`,
+    /// The oldest free buffer, now held for chunk `i` (after its previous copy is done); with `block`,
     /// waiting for one still being allocated, else `None` while none is free.
-    fn take(&self, i: usize, _c: &Chunk, block: bool) -> Result<Option<*mut u8>, LoadError> {
+    fn take(&self, i: usize, block: bool) -> Result<Option<*mut u8>, LoadError> {
         let (b, ev) = {
             let mut r = self.lock();
             let x = loop {
@@ -139,21 +161,18 @@ impl<B: StagingBuf, E: CopyEngine> StagingRing<B, E> {
 
     /// A ring over buffers allocated beforehand.
     pub fn new(bufs: Vec<B>, engine: E) -> StagingRing<B, E> {
-        let free = (0..bufs.len()).map(|i| (i, None)).collect();
+        let n = bufs.len();
+        let shared = Shared::new(bufs.into_iter().map(OnceLock::from).collect(), 0);
+        // (Every buffer is free, and "ready" from the start.)
+        shared.lock().free.extend((0..n).map(|i| (i, None)));
+        let _ = shared.first_ns.set(0);
+        StagingRing::over(shared, None, engine)
+    }
+
+    fn over(shared: Arc<Shared<B, E::Event>>, buf_len: Option<usize>, engine: E) -> Self {
         StagingRing {
-            shared: Arc::new(Shared {
-                bufs: bufs.into_iter().map(OnceLock::from).collect(),
-                ring: Mutex::new(Ring {
-                    free,
-                    held: HashMap::new(),
-                    pending: 0,
-                    failed: None,
-                }),
-                ready: Condvar::new(),
-                alloc_ns: AtomicU64::new(0),
-                first_ns: OnceLock::from(0),
-            }),
-            buf_len: None,
+            shared,
+            buf_len,
             engine,
             shards: vec![],
             waited_ns: AtomicU64::new(0),
@@ -169,7 +188,7 @@ impl<B: StagingBuf, E: CopyEngine> StagingRing<B, E> {
 
     /// Waits until no allocation is in flight (tests; a load never needs to).
     pub fn allocations_done(&self) {
-        let mut r = self.shared.ring.lock().unwrap_or_else(|e| e.into_inner());
+        let mut r = self.lock();
         while r.pending > 0 {
             r = self.shared.ready.wait(r).unwrap_or_else(|e| e.into_inner());
         }
@@ -192,7 +211,7 @@ impl<B: StagingBuf, E: CopyEngine> StagingRing<B, E> {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Ring<E::Event>> {
-        self.shared.ring.lock().unwrap_or_else(|e| e.into_inner())
+        self.shared.lock()
     }
 
     fn wait(&self, ev: E::Event) -> Result<(), LoadError> {
@@ -238,18 +257,7 @@ where
     /// starting now (see the module doc).
     pub fn background(size: usize, buf_len: usize, make: MakeBuf<B>, engine: E) -> Self {
         let t0 = Instant::now();
-        let shared = Arc::new(Shared {
-            bufs: (0..size).map(|_| OnceLock::new()).collect(),
-            ring: Mutex::new(Ring {
-                free: VecDeque::new(),
-                held: HashMap::new(),
-                pending: size,
-                failed: None,
-            }),
-            ready: Condvar::new(),
-            alloc_ns: AtomicU64::new(0),
-            first_ns: OnceLock::new(),
-        });
+        let shared = Shared::new((0..size).map(|_| OnceLock::new()).collect(), size);
         for i in 0..size {
             let (sh, make) = (shared.clone(), make.clone());
             // Detached: a load that fails early does not wait for allocations it no longer
@@ -267,7 +275,7 @@ where
                 });
                 sh.alloc_ns
                     .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-                let mut ring = sh.ring.lock().unwrap_or_else(|e| e.into_inner());
+                let mut ring = sh.lock();
                 ring.pending -= 1;
                 match r {
                     Ok(b) => {
@@ -283,13 +291,7 @@ where
                 sh.ready.notify_all();
             });
         }
-        StagingRing {
-            shared,
-            buf_len: Some(buf_len),
-            engine,
-            shards: vec![],
-            waited_ns: AtomicU64::new(0),
-        }
+        StagingRing::over(shared, Some(buf_len), engine)
     }
 }
 
@@ -314,13 +316,13 @@ impl<B: StagingBuf, E: CopyEngine> Destination for StagingRing<B, E> {
         self.shared.bufs.len()
     }
 
-    fn region(&self, i: usize, c: &Chunk) -> Result<*mut u8, LoadError> {
-        self.take(i, c, true)?
+    fn region(&self, i: usize, _c: &Chunk) -> Result<*mut u8, LoadError> {
+        self.take(i, true)?
             .ok_or_else(|| err("no staging buffer while waiting for one".into()))
     }
 
-    fn try_region(&self, i: usize, c: &Chunk) -> Result<Option<*mut u8>, LoadError> {
-        self.take(i, c, false)
+    fn try_region(&self, i: usize, _c: &Chunk) -> Result<Option<*mut u8>, LoadError> {
+        self.take(i, false)
     }
 
     fn landed(&self, i: usize, c: &Chunk, len: u64) -> Result<(), LoadError> {
