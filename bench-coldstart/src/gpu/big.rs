@@ -8,7 +8,7 @@ use anyhow::{bail, Result};
 use serde_json::{json, Value};
 use thaw_loader::LoadOptions;
 use thaw_runtime::compare::{prompt, rel_err};
-use thaw_runtime::device_model::CudaLlama;
+use thaw_runtime::device_model::{CudaLlama, OVERLAP_INIT};
 use thaw_runtime::StepModel;
 
 use super::measure::{decode_rate, prefill_rate, run_step};
@@ -62,7 +62,7 @@ pub fn big_load(dir: &Path, device: usize, h2d: f64) -> Result<Value> {
     let st = m.load_stats().clone();
     let load_gbs = st.bytes as f64 / st.total_s / 1e9;
     let p = m.phases.clone();
-    let overlap = std::env::var("THAW_CUDA_OVERLAP_INIT").is_ok_and(|v| v != "0");
+    let overlap = thaw_runtime::device_model::env_switch(OVERLAP_INIT, false);
     println!(
         "load {}: {:.2} GB in {:.0} ms = {load_gbs:.1} GB/s = {:.0}% of pinned H2D ({}, copy wait {:.0} ms); the model up in {:.0} ms (kernels {})",
         dir.display(),

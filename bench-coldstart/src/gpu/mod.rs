@@ -320,7 +320,12 @@ pub fn run(a: GpuArgs) -> Result<()> {
         save(&mut out)?;
         // The same load with the kernels and cuBLAS brought up beside the weights.
         if !a.quick {
-            match child_env(&a, &args, &[("THAW_CUDA_OVERLAP_INIT", "1")], secs(150)) {
+            match child_env(
+                &a,
+                &args,
+                &[(thaw_runtime::device_model::OVERLAP_INIT, "1")],
+                secs(150),
+            ) {
                 Ok(v) => big["overlap_init"] = v,
                 Err(e) => fail(&mut errors, "big model load (overlap init)", e),
             }

@@ -37,8 +37,7 @@ impl DeviceLlama<thaw_kernels::cuda::Gpu> {
         // THAW_CUDA_PIN_IN_PLACE=1|0 overrides the default (A/B runs).
         let def = Staging::default();
         let staging = Staging {
-            pin_in_place: std::env::var("THAW_CUDA_PIN_IN_PLACE")
-                .map_or(def.pin_in_place, |v| v != "0"),
+            pin_in_place: env_switch("THAW_CUDA_PIN_IN_PLACE", def.pin_in_place),
             ..def
         };
         let cache = ptx_cache_dir();
@@ -51,8 +50,7 @@ impl DeviceLlama<thaw_kernels::cuda::Gpu> {
         // cuBLAS come up on a thread of their own while the weights stream in — they need only
         // the context, as the load does. Opt-in until a GPU run's cold starts measure it
         // (`scripts/gpu-check.sh` runs both).
-        let overlap = std::env::var("THAW_CUDA_OVERLAP_INIT").is_ok_and(|v| v != "0");
-        let (gpu, loaded) = if overlap {
+        let (gpu, loaded) = if env_switch(OVERLAP_INIT, false) {
             std::thread::scope(|s| {
                 let kernels = s.spawn(|| Gpu::finish(c, cache.as_deref()));
                 let loaded = load();
@@ -93,6 +91,15 @@ impl DeviceLlama<thaw_kernels::cuda::Gpu> {
     pub fn gpu(&self) -> &thaw_kernels::cuda::Gpu {
         &self.dev
     }
+}
+
+/// The environment switch that brings the kernels and cuBLAS up beside the weight load.
+pub const OVERLAP_INIT: &str = "THAW_CUDA_OVERLAP_INIT";
+
+/// An on/off switch from the environment (A/B runs): unset, `default`; `0` or empty, off;
+/// anything else, on.
+pub fn env_switch(name: &str, default: bool) -> bool {
+    std::env::var(name).map_or(default, |v| v != "0" && !v.is_empty())
 }
 
 /// Config, checkpoint and tensor map of `dir`, checked, plus the attention shape check.
@@ -248,9 +255,7 @@ impl<D: DeviceOps> DeviceLlama<D> {
             gemv_launches: Default::default(),
             // Off until a GPU run measures them against queued launches (docs/PERFORMANCE.md);
             // THAW_CUDA_GRAPHS=1 turns them on.
-            use_graphs: AtomicBool::new(
-                std::env::var("THAW_CUDA_GRAPHS").is_ok_and(|v| v != "0" && !v.is_empty()),
-            ),
+            use_graphs: AtomicBool::new(env_switch("THAW_CUDA_GRAPHS", false)),
             graphs: Default::default(),
         })
     }

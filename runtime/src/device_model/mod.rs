@@ -33,6 +33,7 @@
 mod forward;
 mod graphs;
 mod load;
+pub use load::{env_switch, OVERLAP_INIT};
 
 use forward::Step;
 pub use graphs::GraphStats;
