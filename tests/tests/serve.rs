@@ -528,6 +528,8 @@ fn sigterm_drains_in_flight_streams_then_exits_zero() {
     assert_eq!(st, 503, "{v}");
     let r = client().get(s.url("/ready")).send().unwrap();
     assert_eq!(r.status().as_u16(), 503);
+    // A draining worker asks keep-alive clients to close: the exit would cut an idle one.
+    assert_eq!(r.headers()["connection"], "close");
     for h in streams {
         let (_, finish, usage) = h.join().unwrap();
         assert_eq!(finish.as_deref(), Some("length"));
@@ -536,6 +538,99 @@ fn sigterm_drains_in_flight_streams_then_exits_zero() {
     let status = s.wait_exit(Duration::from_secs(30)).expect("exited");
     assert_eq!(status.code(), Some(0), "{}", s.log());
     assert!(s.log().contains("drained"), "{}", s.log());
+}
+
+/// One request on a fresh connection, as raw HTTP/1.1 with `Connection: close`: `Ok(None)` when
+/// the connection was refused (the worker is gone), `Ok(Some(status))` for a complete response,
+/// `Err` when the worker accepted the connection and then dropped it (reset, or a cut response).
+fn one_connection(addr: &str, request: &[u8]) -> Result<Option<u16>, String> {
+    use std::io::Write;
+    let mut c = match std::net::TcpStream::connect(addr) {
+        Ok(c) => c,
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => return Ok(None),
+        Err(e) => return Err(format!("connect: {e}")),
+    };
+    c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    c.write_all(request).map_err(|e| format!("write: {e}"))?;
+    let mut got = Vec::new();
+    c.read_to_end(&mut got).map_err(|e| format!("read: {e}"))?;
+    let text = String::from_utf8_lossy(&got);
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| format!("no complete head in {} bytes: {text:?}", got.len()))?;
+    let status = head
+        .strip_prefix("HTTP/1.1 ")
+        .and_then(|r| r.get(..3))
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| format!("bad status line: {head:?}"))?;
+    let length = head.lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        k.eq_ignore_ascii_case("content-length")
+            .then(|| v.trim().parse::<usize>().ok())?
+    });
+    if let Some(n) = length {
+        if body.len() != n {
+            return Err(format!("body cut at {} of {n} bytes", body.len()));
+        }
+    }
+    Ok(Some(status))
+}
+
+/// SIGTERM while clients open connections as fast as they can: every connection the worker
+/// accepted gets a whole response (200, or 503 once draining); after that, connections are
+/// refused. None is reset — a reset leaves a client unable to tell whether its request ran.
+#[test]
+fn sigterm_in_a_connection_storm_resets_no_connection() {
+    model_dir("default");
+    let mut s = Server::ready(&[]);
+    let addr = s.url("").trim_start_matches("http://").to_string();
+    let health = b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n".to_vec();
+    let body = r#"{"prompt": "Hi", "max_tokens": 1}"#;
+    let completion = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes();
+    let storm: Vec<_> = (0..6)
+        .map(|i| {
+            let (addr, request) = (
+                addr.clone(),
+                if i < 2 {
+                    completion.clone()
+                } else {
+                    health.clone()
+                },
+            );
+            std::thread::spawn(move || {
+                let mut seen = std::collections::BTreeMap::<String, u32>::new();
+                let t = std::time::Instant::now();
+                while t.elapsed() < Duration::from_secs(60) {
+                    let outcome = match one_connection(&addr, &request) {
+                        Ok(None) => break,
+                        Ok(Some(st)) => st.to_string(),
+                        Err(e) => format!("lost: {e}"),
+                    };
+                    *seen.entry(outcome).or_insert(0) += 1;
+                }
+                seen
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    s.signal(libc::SIGTERM);
+    let mut all = std::collections::BTreeMap::<String, u32>::new();
+    for h in storm {
+        for (k, n) in h.join().unwrap() {
+            *all.entry(k).or_insert(0) += n;
+        }
+    }
+    eprintln!("outcomes: {all:?}");
+    let lost: Vec<_> = all.keys().filter(|k| k.starts_with("lost")).collect();
+    assert!(lost.is_empty(), "connections lost: {all:?}\n{}", s.log());
+    assert!(all.get("200").copied().unwrap_or(0) > 10, "{all:?}");
+    let status = s.wait_exit(Duration::from_secs(30)).expect("exited");
+    assert_eq!(status.code(), Some(0), "{}", s.log());
 }
 
 /// xorshift64*: reproducible pseudo-random bytes for the fuzz cases.

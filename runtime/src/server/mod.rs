@@ -8,14 +8,17 @@
 //!   that arrive meanwhile wait in the bounded admission queue (`cold_start: true` on /invoke).
 //! * **Bounded.** At most `max_running + max_waiting` requests are admitted; beyond that a 429
 //!   with Retry-After, so a burst costs memory in proportion to the bound, not the burst.
-//! * **Drain.** SIGTERM/SIGINT: new requests get 503, in-flight ones finish (up to
-//!   `--drain-timeout`), then the process exits 0 — what Kubernetes and Knative expect.
+//! * **Drain.** SIGTERM/SIGINT: new requests get 503 (with `Connection: close`), in-flight ones
+//!   finish (up to `--drain-timeout`), then the process exits 0 — what Kubernetes and Knative
+//!   expect. The port closes without resetting a connection the kernel already accepted
+//!   ([`listener`]).
 //! * Errors are OpenAI-shaped ([`error::ApiError`]); metrics are defined in [`metrics`] only.
 
 pub mod admin;
 pub mod api;
 mod backend;
 pub mod error;
+mod listener;
 pub mod metrics;
 pub mod routes;
 pub mod run;
@@ -213,7 +216,26 @@ pub fn router(app: Arc<App>, max_body_bytes: usize) -> Router {
         .route("/autoscaler/metrics", get(admin::autoscaler_metrics))
         .fallback(routes::not_found)
         .layer(DefaultBodyLimit::max(max_body_bytes))
+        .layer(axum::middleware::map_response_with_state(
+            app.clone(),
+            close_when_draining,
+        ))
         .with_state(app)
+}
+
+/// While draining, every response asks the client to close its connection: a keep-alive
+/// connection would otherwise be cut by the exit while idle, and its next request reset.
+async fn close_when_draining(
+    axum::extract::State(app): axum::extract::State<Arc<App>>,
+    mut r: axum::response::Response,
+) -> axum::response::Response {
+    if app.state() == State::Draining {
+        r.headers_mut().insert(
+            axum::http::header::CONNECTION,
+            axum::http::HeaderValue::from_static("close"),
+        );
+    }
+    r
 }
 
 async fn termination() {
@@ -282,9 +304,13 @@ async fn serve_async(o: ServeOptions) -> Result<(), RuntimeError> {
         drain_app.drain(AfterDrain::Exit).await;
     });
     let (drained_tx, drained_rx) = tokio::sync::oneshot::channel::<()>();
-    let exit_app = app.clone();
+    let listener = listener::ClosingListener::new(listener, app.exit_watch())
+        .map_err(|e| RuntimeError::Serve(e.to_string()))?;
+    let conns = listener.conns();
+    // Exit: the listener answers its queue and closes; once those connections are answered (or
+    // a second passes), hyper's graceful shutdown closes the idle rest.
     let shutdown = async move {
-        exit_app.exit_requested().await;
+        conns.closed_and_quiet(Duration::from_secs(1)).await;
         let _ = drained_tx.send(());
     };
     let server = axum::serve(listener, router(app.clone(), o.max_body_bytes))

@@ -420,6 +420,11 @@ impl App {
         self.exit.send_replace(true);
     }
 
+    /// Turns true when the process is to exit (after a drain, or idle).
+    pub fn exit_watch(&self) -> watch::Receiver<bool> {
+        self.exit.subscribe()
+    }
+
     pub async fn exit_requested(&self) {
         let mut rx = self.exit.subscribe();
         let _ = rx.wait_for(|e| *e).await;
