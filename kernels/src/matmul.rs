@@ -315,19 +315,30 @@ macro_rules! rows_driver {
         ) {
             // SAFETY (whole body): see `rows`.
             unsafe {
-                let mut t = 0;
-                while t + TT <= n {
-                    let mut r = r0;
-                    while r + TR <= r1 {
+                // Row tiles outside, token tiles inside: a tile's weights (TR rows) are read
+                // from memory once and reused from L1 by every token tile while the next rows
+                // stream in — token tiles outside made the first pass over a task's rows wait on
+                // memory and the later ones leave it idle (LM head, 16 tokens, one thread:
+                // 109 GFLOP/s against 170 for the same product from cache).
+                let full = n / TT * TT;
+                let mut r = r0;
+                while full > 0 && r + TR <= r1 {
+                    let mut t = 0;
+                    while t < full {
                         tile::<K, TR, TT>(x.add(t * ldx), ldx, k, w, r, out.add(t * ldo), ldo);
-                        r += TR;
+                        t += TT;
                     }
-                    while r < r1 {
-                        tile::<K, 1, TT>(x.add(t * ldx), ldx, k, w, r, out.add(t * ldo), ldo);
-                        r += 1;
-                    }
-                    t += TT;
+                    r += TR;
                 }
+                while full > 0 && r < r1 {
+                    let mut t = 0;
+                    while t < full {
+                        tile::<K, 1, TT>(x.add(t * ldx), ldx, k, w, r, out.add(t * ldo), ldo);
+                        t += TT;
+                    }
+                    r += 1;
+                }
+                let t = full;
                 let rest = n - t;
                 if rest > 1 {
                     let mut r = r0;
@@ -547,6 +558,19 @@ fn prefetch(p: *const u8, bytes: usize) {
     }
 }
 
+/// [`prefetch`] into L2 only.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_l2(p: *const u8, bytes: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+    let mut line = 0;
+    while line < bytes {
+        // SAFETY: prefetch is a hint; it never faults, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(line).cast()) };
+        line += 64;
+    }
+}
+
 /// Writes the horizontal sum of each accumulator to `out[t, r + ri]`.
 ///
 /// # Safety
@@ -636,7 +660,7 @@ mod avx512_bf16_tile {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512_bf16_dot {
-    use super::{prefetch, store_sums};
+    use super::{prefetch, prefetch_l2, store_sums};
     use std::arch::x86_64::*;
 
     /// bf16 weights × bf16 activations, 32 per instruction: `vdpbf16ps` multiplies the (even,
@@ -666,7 +690,15 @@ mod avx512_bf16_dot {
             let next = w.wrapping_add((r + R) * k).cast::<u8>();
             let mut i = 0;
             while i < k {
-                prefetch(next.wrapping_add(i / 32 * step_bytes), step_bytes);
+                // One token streams the weights past once: fetch the next rows into L1. More
+                // tokens reuse a tile from L1 for every token tile (`rows_k`), and fetching the
+                // next into L2 leaves L1's few miss buffers to the loads (LM head at 16 tokens:
+                // +15% over L1 prefetches, on top of the loop order's +14%).
+                if T == 1 {
+                    prefetch(next.wrapping_add(i / 32 * step_bytes), step_bytes);
+                } else {
+                    prefetch_l2(next.wrapping_add(i / 32 * step_bytes), step_bytes);
+                }
                 let mut xv = [_mm512_setzero_si512(); T];
                 for t in 0..T {
                     xv[t] = _mm512_loadu_si512(x.add(t * ldx + i).cast());
