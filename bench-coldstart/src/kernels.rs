@@ -1,9 +1,12 @@
 //! `bench-coldstart kernels`: matrix-vector streaming rate of the CPU kernels on huge-page
-//! arenas, against the read bandwidth measured in the same run.
+//! arenas, against the read bandwidth measured in the same run; with `--attention`, one decode
+//! step's paged attention (SmolLM2's shape, a batch of sequences whose blocks are scattered over
+//! a `thaw serve`-sized bf16 KV store) against the same bandwidth.
 
 use std::time::Instant;
 
 use anyhow::Result;
+use thaw_kernels::ops::{paged_attention, AttnShape, KvData, PagedRow, PagedStore};
 use thaw_kernels::{matmul, Isa, Matrix, ThreadPool, Weights};
 use thaw_loader::AlignedBuf;
 
@@ -14,6 +17,12 @@ pub struct KernelArgs {
     /// Tokens per call (1 = decode's matrix-vector product).
     #[arg(long, default_value_t = 1)]
     tokens: usize,
+    /// Also time decode attention with this many cached positions per sequence (comma list).
+    #[arg(long, value_delimiter = ',')]
+    attention: Vec<usize>,
+    /// Sequences in the decode step timed by --attention.
+    #[arg(long, default_value_t = 16)]
+    attention_rows: usize,
 }
 
 pub fn run(a: KernelArgs) -> Result<()> {
@@ -56,5 +65,80 @@ pub fn run(a: KernelArgs) -> Result<()> {
             dt / reps as f64 * 1e6
         );
     }
+    for &pos in &a.attention {
+        attention(pool, pos, a.attention_rows, bw);
+    }
     Ok(())
+}
+
+/// One decode step's attention over all layers: `rows` sequences at about `pos` positions, each
+/// block of their tables drawn at random from a 1 GiB bf16 store (`thaw serve`'s default), laid
+/// out [block][layer][slot][kv head][dim] as the runtime's.
+fn attention(pool: &ThreadPool, pos: usize, rows: usize, bw: f64) {
+    let (layers, bs, nkv, hd, nh) = (30usize, 16usize, 3usize, 64usize, 9usize);
+    let kv_dim = nkv * hd;
+    let block_stride = layers * bs * kv_dim;
+    let blocks = (1usize << 30) / (2 * 2 * block_stride);
+    let n = blocks * block_stride;
+    // Values that keep the softmax finite; written so the pages exist before timing.
+    let fill = |m: usize| -> Vec<u16> {
+        (0..n)
+            // bf16 = an f32's high half.
+            .map(|i| ((((i * m) % 1009) as f32 / 1009.0 - 0.5).to_bits() >> 16) as u16)
+            .collect()
+    };
+    let (k, v) = (fill(7), fill(13));
+    let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+    let tables: Vec<Vec<u32>> = (0..rows)
+        .map(|_| {
+            (0..(pos + rows).div_ceil(bs))
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    (seed % blocks as u64) as u32
+                })
+                .collect()
+        })
+        .collect();
+    let prows: Vec<PagedRow<'_>> = tables
+        .iter()
+        .enumerate()
+        .map(|(i, table)| PagedRow { pos: pos + i, table })
+        .collect();
+    let q: Vec<f32> = (0..rows * nh * hd)
+        .map(|i| (i % 17) as f32 * 0.05 - 0.4)
+        .collect();
+    let mut out = vec![0f32; rows * nh * hd];
+    let shape = AttnShape {
+        n_heads: nh,
+        n_kv_heads: nkv,
+        head_dim: hd,
+    };
+    let mut step = || {
+        for l in 0..layers {
+            let store = PagedStore {
+                block_size: bs,
+                block_stride,
+                layer_off: l * bs * kv_dim,
+            };
+            let (kd, vd) = (KvData::Bf16(&k), KvData::Bf16(&v));
+            paged_attention(pool, &q, kd, vd, &prows, store, shape, &mut out);
+        }
+    };
+    step();
+    let reps = 20;
+    let t = Instant::now();
+    for _ in 0..reps {
+        step();
+    }
+    let dt = t.elapsed().as_secs_f64() / reps as f64;
+    let read: usize = prows.iter().map(|r| (r.pos + 1) * layers * kv_dim * 2 * 2).sum();
+    let gbs = read as f64 / dt / 1e9;
+    println!(
+        "attention, {rows} sequences at {pos}+ positions, bf16 KV: {:.2} ms per step (30 layers), \
+         {gbs:.1} GB/s of KV = {:.2} of read bandwidth",
+        dt * 1e3,
+        gbs / bw
+    );
 }

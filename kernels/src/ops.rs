@@ -534,6 +534,15 @@ mod simd {
                     let cnt = (len - j0).min(16);
                     let mut part = [[_mm512_setzero_ps(); 16]; G];
                     for j in 0..cnt {
+                        // Rows of one KV head are strided and their blocks scattered, which
+                        // the hardware prefetcher does not follow: ask for the next block's
+                        // key and value rows now, into L2 (L1's few miss buffers stay free
+                        // for the loads).
+                        let ahead = b + j0 + j + ATTN_BLOCK;
+                        if ahead < visible {
+                            prefetch_row_l2::<N, E>(k, layout.row(ahead));
+                            prefetch_row_l2::<N, E>(v, layout.row(ahead));
+                        }
                         let kc = load_row::<N, E>(k, layout.row(b + j0 + j));
                         for g in 0..G {
                             let qg = qp.add(g * N * 16);
@@ -614,6 +623,20 @@ mod simd {
             *x = unsafe { E::load16(buf.as_ptr().add(at + 16 * i)) };
         }
         r
+    }
+
+    /// Asks for the cache lines of the `16 N` elements at `at` to be brought into L2 (a hint:
+    /// never faults).
+    #[inline(always)]
+    fn prefetch_row_l2<const N: usize, E>(buf: &[E], at: usize) {
+        let p = buf.as_ptr().wrapping_add(at).cast::<i8>();
+        let bytes = N * 16 * std::mem::size_of::<E>();
+        let mut off = 0;
+        while off < bytes {
+            // SAFETY: prefetching is a hint and cannot fault, whatever the address.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(off)) };
+            off += 64;
+        }
     }
 
     /// Lane `j` of the result = the sum of the 16 lanes of `v[j]`.
