@@ -104,7 +104,10 @@ fn attention(pool: &ThreadPool, pos: usize, rows: usize, bw: f64) {
     let prows: Vec<PagedRow<'_>> = tables
         .iter()
         .enumerate()
-        .map(|(i, table)| PagedRow { pos: pos + i, table })
+        .map(|(i, table)| PagedRow {
+            pos: pos + i,
+            table,
+        })
         .collect();
     let q: Vec<f32> = (0..rows * nh * hd)
         .map(|i| (i % 17) as f32 * 0.05 - 0.4)
@@ -133,7 +136,10 @@ fn attention(pool: &ThreadPool, pos: usize, rows: usize, bw: f64) {
         step();
     }
     let dt = t.elapsed().as_secs_f64() / reps as f64;
-    let read: usize = prows.iter().map(|r| (r.pos + 1) * layers * kv_dim * 2 * 2).sum();
+    let read: usize = prows
+        .iter()
+        .map(|r| (r.pos + 1) * layers * kv_dim * 2 * 2)
+        .sum();
     let gbs = read as f64 / dt / 1e9;
     println!(
         "attention, {rows} sequences at {pos}+ positions, bf16 KV: {:.2} ms per step (30 layers), \
