@@ -23,6 +23,10 @@ pub struct KernelArgs {
     /// Sequences in the decode step timed by --attention.
     #[arg(long, default_value_t = 16)]
     attention_rows: usize,
+    /// KV store the --attention sequences' blocks are scattered over, MiB (1024 = `thaw
+    /// serve`'s default; a few MiB keep it in cache, which times the kernel's own work).
+    #[arg(long, default_value_t = 1024)]
+    attention_store_mib: usize,
 }
 
 pub fn run(a: KernelArgs) -> Result<()> {
@@ -66,19 +70,19 @@ pub fn run(a: KernelArgs) -> Result<()> {
         );
     }
     for &pos in &a.attention {
-        attention(pool, pos, a.attention_rows, bw);
+        attention(pool, pos, a.attention_rows, a.attention_store_mib, bw);
     }
     Ok(())
 }
 
 /// One decode step's attention over all layers: `rows` sequences at about `pos` positions, each
-/// block of their tables drawn at random from a 1 GiB bf16 store (`thaw serve`'s default), laid
-/// out [block][layer][slot][kv head][dim] as the runtime's.
-fn attention(pool: &ThreadPool, pos: usize, rows: usize, bw: f64) {
+/// block of their tables drawn at random from a bf16 store of `store_mib` MiB, laid out
+/// [block][layer][slot][kv head][dim] as the runtime's.
+fn attention(pool: &ThreadPool, pos: usize, rows: usize, store_mib: usize, bw: f64) {
     let (layers, bs, nkv, hd, nh) = (30usize, 16usize, 3usize, 64usize, 9usize);
     let kv_dim = nkv * hd;
     let block_stride = layers * bs * kv_dim;
-    let blocks = (1usize << 30) / (2 * 2 * block_stride);
+    let blocks = ((store_mib << 20) / (2 * 2 * block_stride)).max(1);
     let n = blocks * block_stride;
     // Values that keep the softmax finite; written so the pages exist before timing.
     let fill = |m: usize| -> Vec<u16> {
@@ -142,7 +146,7 @@ fn attention(pool: &ThreadPool, pos: usize, rows: usize, bw: f64) {
         .sum();
     let gbs = read as f64 / dt / 1e9;
     println!(
-        "attention, {rows} sequences at {pos}+ positions, bf16 KV: {:.2} ms per step (30 layers), \
+        "attention, {rows} sequences at {pos}+ positions, bf16 KV in {store_mib} MiB: {:.2} ms per step (30 layers), \
          {gbs:.1} GB/s of KV = {:.2} of read bandwidth",
         dt * 1e3,
         gbs / bw
