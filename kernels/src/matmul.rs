@@ -544,29 +544,17 @@ mod avx512 {
     }
 }
 
-/// Prefetches `bytes` (a multiple of 64) from `p` into L1: the next row tile, streamed linearly
-/// while this one is consumed as R interleaved rows.
+/// Prefetches `bytes` (a multiple of 64) from `p` with `HINT` (`_MM_HINT_T0`: into L1, for the
+/// next row tile streamed linearly while this one is consumed as R interleaved rows;
+/// `_MM_HINT_T1`: into L2, leaving L1's few miss buffers to the loads).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn prefetch(p: *const u8, bytes: usize) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+pub(crate) fn prefetch_lines<const HINT: i32>(p: *const u8, bytes: usize) {
+    use std::arch::x86_64::_mm_prefetch;
     let mut line = 0;
     while line < bytes {
         // SAFETY: prefetch is a hint; it never faults, whatever the address.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line).cast()) };
-        line += 64;
-    }
-}
-
-/// [`prefetch`] into L2 only.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn prefetch_l2(p: *const u8, bytes: usize) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
-    let mut line = 0;
-    while line < bytes {
-        // SAFETY: prefetch is a hint; it never faults, whatever the address.
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(line).cast()) };
+        unsafe { _mm_prefetch::<HINT>(p.wrapping_add(line).cast()) };
         line += 64;
     }
 }
@@ -594,7 +582,7 @@ unsafe fn store_sums<const R: usize, const T: usize>(
 
 #[cfg(target_arch = "x86_64")]
 mod avx512_bf16_tile {
-    use super::{prefetch, store_sums};
+    use super::{prefetch_lines, store_sums};
     use std::arch::x86_64::*;
 
     /// bf16 weights, 32 at a time: one 64-byte load holds 16 (even, odd) pairs; a shift left by
@@ -630,7 +618,7 @@ mod avx512_bf16_tile {
                 } else {
                     ((1u64 << rem) - 1) as u32
                 };
-                prefetch(next.wrapping_add(i / 32 * step_bytes), step_bytes);
+                prefetch_lines::<_MM_HINT_T0>(next.wrapping_add(i / 32 * step_bytes), step_bytes);
                 let mut xe = [_mm512_setzero_ps(); T];
                 let mut xo = [_mm512_setzero_ps(); T];
                 for t in 0..T {
@@ -660,7 +648,7 @@ mod avx512_bf16_tile {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512_bf16_dot {
-    use super::{prefetch, prefetch_l2, store_sums};
+    use super::{prefetch_lines, store_sums};
     use std::arch::x86_64::*;
 
     /// bf16 weights × bf16 activations, 32 per instruction: `vdpbf16ps` multiplies the (even,
@@ -694,10 +682,11 @@ mod avx512_bf16_dot {
                 // tokens reuse a tile from L1 for every token tile (`rows_k`), and fetching the
                 // next into L2 leaves L1's few miss buffers to the loads (LM head at 16 tokens:
                 // +15% over L1 prefetches, on top of the loop order's +14%).
+                let pf = next.wrapping_add(i / 32 * step_bytes);
                 if T == 1 {
-                    prefetch(next.wrapping_add(i / 32 * step_bytes), step_bytes);
+                    prefetch_lines::<_MM_HINT_T0>(pf, step_bytes);
                 } else {
-                    prefetch_l2(next.wrapping_add(i / 32 * step_bytes), step_bytes);
+                    prefetch_lines::<_MM_HINT_T1>(pf, step_bytes);
                 }
                 let mut xv = [_mm512_setzero_si512(); T];
                 for t in 0..T {

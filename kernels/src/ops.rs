@@ -635,14 +635,10 @@ mod simd {
     /// never faults).
     #[inline(always)]
     fn prefetch_row_l2<const N: usize, E>(buf: &[E], at: usize) {
-        let p = buf.as_ptr().wrapping_add(at).cast::<i8>();
-        let bytes = N * 16 * std::mem::size_of::<E>();
-        let mut off = 0;
-        while off < bytes {
-            // SAFETY: prefetching is a hint and cannot fault, whatever the address.
-            unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(off)) };
-            off += 64;
-        }
+        crate::matmul::prefetch_lines::<_MM_HINT_T1>(
+            buf.as_ptr().wrapping_add(at).cast(),
+            N * 16 * std::mem::size_of::<E>(),
+        );
     }
 
     /// Lane `j` of the result = the sum of the 16 lanes of `v[j]`.

@@ -6,10 +6,10 @@
 //! not yet seen the readiness flip, or the autoscaler's own race with an idle exit) some always
 //! are in the queue. So when the worker exits, [`ClosingListener`]:
 //!
-//! 1. attaches a socket filter that drops every new packet to the listener (Linux classic BPF,
-//!    unprivileged): new handshakes stop, so the queue can only shrink — their clients' SYN
-//!    retransmits find the port closed a second later and read "connection refused", which
-//!    says plainly that nothing ran;
+//! 1. attaches a socket filter that drops new handshakes' SYNs (Linux classic BPF,
+//!    unprivileged) and waits a moment for handshakes under way: the queue can then only
+//!    shrink — the dropped clients' SYN retransmits find the port closed a second later and
+//!    read "connection refused", which says plainly that nothing ran;
 //! 2. takes every connection already queued (non-blocking `accept` until it would block) and
 //!    hands each to the server like any other — it gets a whole response, 503 when draining;
 //! 3. closes the socket, then counts the open connections down ([`Conns`]) so the caller can
@@ -133,9 +133,15 @@ impl ClosingListener {
                         Err(e) => super::log(format_args!("a queued connection is lost: {e}")),
                     },
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                    // ECONNABORTED and the like concern one connection; EMFILE would repeat.
-                    Err(e) if e.kind() == io::ErrorKind::ConnectionAborted => continue,
+                    // ECONNABORTED concerns one connection; EMFILE (below) would repeat.
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            io::ErrorKind::Interrupted | io::ErrorKind::ConnectionAborted
+                        ) =>
+                    {
+                        continue
+                    }
                     Err(e) => {
                         super::log(format_args!("taking the accept queue at exit: {e}"));
                         break;

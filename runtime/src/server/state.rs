@@ -425,11 +425,6 @@ impl App {
         self.exit.subscribe()
     }
 
-    pub async fn exit_requested(&self) {
-        let mut rx = self.exit.subscribe();
-        let _ = rx.wait_for(|e| *e).await;
-    }
-
     /// Constant-time check of a presented key against `want`.
     pub fn key_matches(want: Option<&str>, presented: Option<&str>) -> bool {
         let Some(want) = want else {
