@@ -522,7 +522,8 @@ mod simd {
             let mut m = [f32::NEG_INFINITY; G];
             let mut l = [0f32; G];
             let mut s = [[0f32; ATTN_BLOCK]; G];
-            let mut acc = [[_mm512_setzero_ps(); N]; G];
+            let zero = _mm512_setzero_ps();
+            let mut acc = [[zero; N]; G];
             // The group's queries, loaded once: in registers they spare the score loop G·N
             // loads a key (it was bound by loads, not multiplies).
             let mut qv = [[_mm512_setzero_ps(); N]; G];
@@ -535,28 +536,47 @@ mod simd {
             while b < visible {
                 let e = (b + ATTN_BLOCK).min(visible);
                 let len = e - b;
-                // Scores, 16 keys at a time.
+                // Scores, 16 keys at a time. Each key's G dot-product vectors are folded into
+                // the reduction tree as soon as its pair, then its quad, is complete: holding
+                // all 16 keys' vectors (16 G of them) spilled them and the queries to the
+                // stack. The tree's pairings do not depend on when each fold runs.
                 let mut j0 = 0;
                 while j0 < len {
                     let cnt = (len - j0).min(16);
-                    let mut part = [[_mm512_setzero_ps(); 16]; G];
-                    for j in 0..cnt {
-                        // Rows of one KV head are strided and their blocks scattered, which
-                        // the hardware prefetcher does not follow: ask for the next block's
-                        // key and value rows now, into L2 (L1's few miss buffers stay free
-                        // for the loads).
-                        let ahead = b + j0 + j + ATTN_BLOCK;
-                        if ahead < visible {
-                            prefetch_row_l2::<N, E>(k, layout.row(ahead));
-                            prefetch_row_l2::<N, E>(v, layout.row(ahead));
-                        }
-                        let kc = load_row::<N, E>(k, layout.row(b + j0 + j));
-                        for g in 0..G {
-                            let mut a = _mm512_mul_ps(qv[g][0], kc[0]);
-                            for i in 1..N {
-                                a = _mm512_fmadd_ps(qv[g][i], kc[i], a);
+                    let (mut quad0, mut keys8, mut sums) = ([zero; G], [zero; G], [zero; G]);
+                    for quad in 0..4 {
+                        let mut pairs = [[zero; G]; 2];
+                        for (pi, pair) in pairs.iter_mut().enumerate() {
+                            let j = quad * 4 + pi * 2;
+                            let a = key_dots::<N, G, E>(
+                                &qv,
+                                k,
+                                v,
+                                layout,
+                                visible,
+                                b + j0 + j,
+                                j < cnt,
+                            );
+                            let c = key_dots::<N, G, E>(
+                                &qv,
+                                k,
+                                v,
+                                layout,
+                                visible,
+                                b + j0 + j + 1,
+                                j + 1 < cnt,
+                            );
+                            for g in 0..G {
+                                pair[g] = fold_pairs(a[g], c[g]);
                             }
-                            part[g][j] = a;
+                        }
+                        for g in 0..G {
+                            let u = fold_quads(pairs[0][g], pairs[1][g]);
+                            match quad {
+                                0 | 2 => quad0[g] = u,
+                                1 => keys8[g] = fold_lanes(quad0[g], u),
+                                _ => sums[g] = fold_lanes(keys8[g], fold_lanes(quad0[g], u)),
+                            }
                         }
                     }
                     let mask: __mmask16 = if cnt == 16 {
@@ -565,8 +585,7 @@ mod simd {
                         ((1u32 << cnt) - 1) as u16
                     };
                     for g in 0..G {
-                        let sums = reduce16(&part[g]);
-                        _mm512_mask_storeu_ps(s[g].as_mut_ptr().add(j0), mask, sums);
+                        _mm512_mask_storeu_ps(s[g].as_mut_ptr().add(j0), mask, sums[g]);
                     }
                     j0 += 16;
                 }
@@ -641,38 +660,80 @@ mod simd {
         );
     }
 
-    /// Lane `j` of the result = the sum of the 16 lanes of `v[j]`.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    unsafe fn reduce16(v: &[__m512; 16]) -> __m512 {
-        // Pairs: per 128-bit lane, [a0+a2, b0+b2, a1+a3, b1+b3].
-        let mut t = [_mm512_setzero_ps(); 8];
-        for i in 0..8 {
-            let (a, b) = (v[2 * i], v[2 * i + 1]);
-            t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    /// Key `j`'s dot product with each of the `G` queries, as 16 lane partial sums each (zeros
+    /// when `valid` is false: a key past the block, read by nobody). Also asks for the key and
+    /// value rows one attention block ahead: rows of one KV head are strided and their blocks
+    /// scattered, which the hardware prefetcher does not follow, so they are fetched into L2
+    /// (L1's few miss buffers stay free for the loads).
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn key_dots<const N: usize, const G: usize, E: super::KvElem>(
+        qv: &[[__m512; N]; G],
+        k: &[E],
+        v: &[E],
+        layout: &KvLayout<'_>,
+        visible: usize,
+        j: usize,
+        valid: bool,
+    ) -> [__m512; G] {
+        let mut d = [_mm512_setzero_ps(); G];
+        if !valid {
+            return d;
         }
-        // Quads: per 128-bit lane L, the sums of elements 4L..4L+3 of a, b, c, d.
-        let mut u = [_mm512_setzero_ps(); 4];
-        for i in 0..4 {
-            let (a, b) = (_mm512_castps_pd(t[2 * i]), _mm512_castps_pd(t[2 * i + 1]));
-            u[i] = _mm512_add_ps(
+        let ahead = j + super::ATTN_BLOCK;
+        if ahead < visible {
+            prefetch_row_l2::<N, E>(k, layout.row(ahead));
+            prefetch_row_l2::<N, E>(v, layout.row(ahead));
+        }
+        // SAFETY: load_row bounds-checks the row; AVX-512 is enabled in the caller.
+        unsafe {
+            let kc = load_row::<N, E>(k, layout.row(j));
+            for g in 0..G {
+                let mut a = _mm512_mul_ps(qv[g][0], kc[0]);
+                for i in 1..N {
+                    a = _mm512_fmadd_ps(qv[g][i], kc[i], a);
+                }
+                d[g] = a;
+            }
+        }
+        d
+    }
+
+    // The reduction tree that turns 16 vectors v[0..16] into one whose lane j is the sum of
+    // v[j]'s lanes, in three folds: `fold_pairs` of (v[2i], v[2i+1]), `fold_quads` of two
+    // pairs, `fold_lanes` of two quads, then of the two eights. Its pairings are the ones
+    // `attend_one`'s scores use, so a group's scores are each head's alone to the bit.
+
+    /// Per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3].
+    #[inline(always)]
+    unsafe fn fold_pairs(a: __m512, b: __m512) -> __m512 {
+        // SAFETY: AVX-512 is enabled in the caller.
+        unsafe { _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)) }
+    }
+
+    /// Per 128-bit lane L: the sums of elements 4L..4L+3 of the four vectors under `a`, `b`.
+    #[inline(always)]
+    unsafe fn fold_quads(a: __m512, b: __m512) -> __m512 {
+        // SAFETY: AVX-512 is enabled in the caller.
+        unsafe {
+            let (a, b) = (_mm512_castps_pd(a), _mm512_castps_pd(b));
+            _mm512_add_ps(
                 _mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
                 _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)),
-            );
+            )
         }
-        // Across the four 128-bit lanes.
-        let x01 = _mm512_add_ps(
-            _mm512_shuffle_f32x4::<0b10_00_10_00>(u[0], u[1]),
-            _mm512_shuffle_f32x4::<0b11_01_11_01>(u[0], u[1]),
-        );
-        let x23 = _mm512_add_ps(
-            _mm512_shuffle_f32x4::<0b10_00_10_00>(u[2], u[3]),
-            _mm512_shuffle_f32x4::<0b11_01_11_01>(u[2], u[3]),
-        );
-        _mm512_add_ps(
-            _mm512_shuffle_f32x4::<0b10_00_10_00>(x01, x23),
-            _mm512_shuffle_f32x4::<0b11_01_11_01>(x01, x23),
-        )
+    }
+
+    /// Across the four 128-bit lanes of two folds.
+    #[inline(always)]
+    unsafe fn fold_lanes(a: __m512, b: __m512) -> __m512 {
+        // SAFETY: AVX-512 is enabled in the caller.
+        unsafe {
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b),
+                _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b),
+            )
+        }
     }
 }
 
