@@ -28,6 +28,7 @@ pub mod error;
 pub mod fetch;
 pub mod generate;
 pub mod kv;
+mod kv_store;
 pub mod model;
 pub mod sampling;
 pub mod server;

@@ -15,6 +15,7 @@ use thaw_loader::{
     Checkpoint, Dtype, HostWeights, LoadOptions, LoadStats, Progress, TensorEntry, TensorView,
 };
 
+use crate::kv_store::KvBuf;
 use crate::{ModelConfig, RuntimeError};
 
 const MATRIX_DTYPES: &[Dtype] = &[Dtype::BF16, Dtype::F16, Dtype::F32];
@@ -86,46 +87,8 @@ pub enum KvDtype {
     Bf16,
 }
 
-enum KvBuf {
-    F32(Vec<f32>),
-    Bf16(Vec<u16>),
-}
-
-impl KvBuf {
-    /// `n` zeros. `vec![0; n]` allocates zeroed memory (calloc: fresh pages the kernel
-    /// zero-fills on first touch), so a large KV budget costs nothing at start; `resize` would
-    /// write every byte up front (~0.5 s per GiB of page faults here).
-    fn zeros(dtype: KvDtype, n: usize) -> KvBuf {
-        match dtype {
-            KvDtype::F32 => KvBuf::F32(vec![0.0; n]),
-            KvDtype::Bf16 => KvBuf::Bf16(vec![0; n]),
-        }
-    }
-    fn resize(&mut self, n: usize) {
-        match self {
-            KvBuf::F32(b) => b.resize(n, 0.0),
-            KvBuf::Bf16(b) => b.resize(n, 0),
-        }
-    }
-    fn write(&mut self, at: usize, row: &[f32]) {
-        match self {
-            KvBuf::F32(b) => b[at..at + row.len()].copy_from_slice(row),
-            KvBuf::Bf16(b) => b[at..at + row.len()]
-                .iter_mut()
-                .zip(row)
-                .for_each(|(o, &x)| *o = half::bf16::from_f32(x).to_bits()),
-        }
-    }
-    fn data(&self) -> ops::KvData<'_> {
-        match self {
-            KvBuf::F32(b) => ops::KvData::F32(b),
-            KvBuf::Bf16(b) => ops::KvData::Bf16(b),
-        }
-    }
-}
-
 impl KvDtype {
-    fn bytes(self) -> usize {
+    pub(crate) fn bytes(self) -> usize {
         match self {
             KvDtype::F32 => 4,
             KvDtype::Bf16 => 2,
@@ -159,10 +122,7 @@ impl PagedKv {
         2 * cfg.num_hidden_layers * block_size * cfg.kv_dim() * dtype.bytes()
     }
     pub fn dtype(&self) -> KvDtype {
-        match self.k {
-            KvBuf::F32(_) => KvDtype::F32,
-            KvBuf::Bf16(_) => KvDtype::Bf16,
-        }
+        self.k.dtype()
     }
     pub fn blocks(&self) -> usize {
         self.blocks
@@ -178,8 +138,8 @@ impl PagedKv {
         if blocks > self.blocks {
             self.blocks = blocks;
             let n = blocks * self.block_stride();
-            self.k.resize(n);
-            self.v.resize(n);
+            self.k.grow(n);
+            self.v.grow(n);
         }
     }
     fn store(&self, layer: usize) -> ops::PagedStore {
