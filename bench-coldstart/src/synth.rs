@@ -238,10 +238,8 @@ pub fn run(a: SynthArgs) -> Result<()> {
             off += b;
         }
         total += off;
-        let mut h = serde_json::to_string(&header)?;
-        while (8 + h.len()) % 8 != 0 {
-            h.push(' ');
-        }
+        // Data on a page boundary, as `thaw convert` writes it.
+        let h = thaw_loader::safetensors::header_bytes(&serde_json::to_string(&header)?);
         // Each shard its own random stream, so shards are written in parallel (an 8B
         // checkpoint is 16 GB: on a GPU host this is lease time).
         let state = (a.seed.max(1) + si as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -258,8 +256,7 @@ pub fn run(a: SynthArgs) -> Result<()> {
                     let file = std::fs::File::create(path)
                         .with_context(|| format!("creating {}", path.display()))?;
                     let mut w = BufWriter::with_capacity(8 << 20, file);
-                    w.write_all(&(h.len() as u64).to_le_bytes())?;
-                    w.write_all(h.as_bytes())?;
+                    w.write_all(h)?;
                     let mut buf = vec![0u8; 8 << 20];
                     for &i in idx {
                         let (_, sh, norm) = &all[i];

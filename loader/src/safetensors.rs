@@ -16,6 +16,25 @@ use crate::{Dtype, LoadError};
 /// Headers larger than this are refused (the format's own reference limit is 100 MB).
 pub const MAX_HEADER_LEN: u64 = 100 * 1024 * 1024;
 
+/// Where files written by thaw (`thaw convert`, `bench-coldstart synth`) start their data
+/// section: on a page boundary, so that tensors used in place (a mapping, or an arena the file
+/// was read into whole) start on cache-line boundaries wherever their sizes keep them there.
+/// The common 8-byte alignment made every 64-byte weight load of the CPU products straddle two
+/// lines (docs/PERFORMANCE.md, "Alignment of weights and KV rows").
+pub const DATA_ALIGN: usize = 4096;
+
+/// The first bytes of a safetensors file with header `json`: its length, then the JSON padded
+/// with spaces (which the format allows) so that the data section starts at a multiple of
+/// [`DATA_ALIGN`].
+pub fn header_bytes(json: &str) -> Vec<u8> {
+    let len = (8 + json.len()).div_ceil(DATA_ALIGN) * DATA_ALIGN - 8;
+    let mut out = Vec::with_capacity(8 + len);
+    out.extend_from_slice(&(len as u64).to_le_bytes());
+    out.extend_from_slice(json.as_bytes());
+    out.resize(8 + len, b' ');
+    out
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct TensorInfo {
     pub name: String,
@@ -199,6 +218,21 @@ mod tests {
         assert_eq!(h.tensors[0].name, "a");
         assert_eq!(h.data_len, 12);
         assert_eq!(h.metadata["format"], "pt");
+    }
+
+    #[test]
+    fn written_headers_put_data_on_a_page_boundary() {
+        let j = r#"{"a":{"dtype":"BF16","shape":[2],"data_offsets":[0,4]}}"#;
+        for json in [j.to_string(), format!("{j}{}", " ".repeat(DATA_ALIGN))] {
+            let b = header_bytes(&json);
+            assert_eq!(b.len() % DATA_ALIGN, 0);
+            let n = u64::from_le_bytes(b[..8].try_into().unwrap());
+            assert_eq!(n as usize + 8, b.len());
+            // The padded header still parses, with the data section right after it.
+            let h = ShardHeader::parse(Path::new("x"), &b[8..], b.len() as u64 + 4).unwrap();
+            assert_eq!(h.data_start as usize, b.len());
+            assert_eq!(h.tensors[0].name, "a");
+        }
     }
 
     #[test]

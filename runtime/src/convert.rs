@@ -11,6 +11,7 @@
 //! get Hugging Face's rotate-half layout back.
 
 use std::collections::BTreeMap;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value as Json};
@@ -38,11 +39,17 @@ impl std::str::FromStr for OutDtype {
 }
 
 impl OutDtype {
-    fn st(self) -> safetensors::Dtype {
+    fn st_name(self) -> &'static str {
         match self {
-            OutDtype::Bf16 => safetensors::Dtype::BF16,
-            OutDtype::F16 => safetensors::Dtype::F16,
-            OutDtype::F32 => safetensors::Dtype::F32,
+            OutDtype::Bf16 => "BF16",
+            OutDtype::F16 => "F16",
+            OutDtype::F32 => "F32",
+        }
+    }
+    fn size(self) -> usize {
+        match self {
+            OutDtype::F32 => 4,
+            _ => 2,
         }
     }
     fn torch_name(self) -> &'static str {
@@ -326,26 +333,48 @@ fn write_safetensors(
     let n = shards.len();
     let mut weight_map = BTreeMap::new();
     let mut total = 0u64;
-    let meta: std::collections::HashMap<String, String> =
-        [("format".to_string(), "pt".to_string())].into();
     for (si, idx) in shards.iter().enumerate() {
         let file = if n == 1 {
             "model.safetensors".to_string()
         } else {
             format!("model-{:05}-of-{:05}.safetensors", si + 1, n)
         };
-        let mut views = Vec::with_capacity(idx.len());
+        // Written by hand rather than by the safetensors crate: its header is padded to 8
+        // bytes only (ours to a page: see `thaw_loader::safetensors::DATA_ALIGN`), and it
+        // reorders tensors by dtype and name, where forward order lets a streaming load hand
+        // out layers as they land.
+        let mut header = serde_json::Map::new();
+        header.insert("__metadata__".into(), json!({"format": "pt"}));
+        let mut off = 0usize;
         for &i in idx {
             let (name, shape, bytes) = &tensors[i];
-            let v = safetensors::tensor::TensorView::new(opts.dtype.st(), shape.clone(), bytes)
-                .map_err(|e| RuntimeError::Convert(format!("tensor '{name}': {e}")))?;
-            views.push((name.clone(), v));
+            let want = shape.iter().product::<usize>() * opts.dtype.size();
+            if bytes.len() != want {
+                return Err(RuntimeError::Convert(format!(
+                    "tensor '{name}': shape {shape:?} of {:?} needs {want} bytes, got {}",
+                    opts.dtype,
+                    bytes.len()
+                )));
+            }
+            header.insert(
+                name.clone(),
+                json!({"dtype": opts.dtype.st_name(), "shape": shape, "data_offsets": [off, off + want]}),
+            );
             weight_map.insert(name.clone(), file.clone());
-            total += bytes.len() as u64;
+            off += want;
         }
+        total += off as u64;
         let path = out.join(&file);
-        safetensors::tensor::serialize_to_file(views, Some(meta.clone()), &path)
-            .map_err(|e| RuntimeError::Convert(format!("{}: {e}", path.display())))?;
+        let head = thaw_loader::safetensors::header_bytes(&Json::Object(header).to_string());
+        let write = || -> std::io::Result<()> {
+            let mut w = std::io::BufWriter::with_capacity(8 << 20, std::fs::File::create(&path)?);
+            w.write_all(&head)?;
+            for &i in idx {
+                w.write_all(&tensors[i].2)?;
+            }
+            w.into_inner().map_err(|e| e.into_error())?.sync_all()
+        };
+        write().map_err(|e| RuntimeError::io(&path, e))?;
     }
     if n > 1 {
         write_json(

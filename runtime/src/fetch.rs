@@ -25,10 +25,25 @@ pub fn thaw_home() -> PathBuf {
     home.join(".cache").join("thaw")
 }
 
+/// A name beside `p` no other process or thread uses.
 fn tmp_name(p: &Path) -> PathBuf {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let mut s = p.as_os_str().to_owned();
-    s.push(format!(".tmp-{}", std::process::id()));
+    s.push(format!(".tmp-{}-{n}", std::process::id()));
     PathBuf::from(s)
+}
+
+/// Written into the converted default model's directory: the layout of [`convert`]'s output it
+/// holds. A cache converted by an older thaw is converted again (2: data sections start on a
+/// page boundary and tensors are in forward order).
+const CONVERTED_FORMAT: &str = "2";
+const FORMAT_FILE: &str = "thaw-convert-format";
+
+fn converted_current(dir: &Path) -> bool {
+    dir.join("config.json").is_file()
+        && std::fs::read_to_string(dir.join(FORMAT_FILE))
+            .is_ok_and(|s| s.trim() == CONVERTED_FORMAT)
 }
 
 /// The GGUF of the default model, downloading and extracting it if needed.
@@ -91,12 +106,11 @@ pub fn default_model(dtype: OutDtype) -> Result<PathBuf, RuntimeError> {
     let dir = thaw_home()
         .join("models")
         .join(format!("{DEFAULT_NAME}{suffix}"));
-    if dir.join("config.json").is_file() {
+    if converted_current(&dir) {
         return Ok(dir);
     }
     let gguf = default_gguf()?;
     let tmp = tmp_name(&dir);
-    let _ = std::fs::remove_dir_all(&tmp);
     convert(
         &gguf,
         &tmp,
@@ -105,10 +119,24 @@ pub fn default_model(dtype: OutDtype) -> Result<PathBuf, RuntimeError> {
             shard_size: None,
         },
     )?;
-    match std::fs::rename(&tmp, &dir) {
+    std::fs::write(tmp.join(FORMAT_FILE), format!("{CONVERTED_FORMAT}\n"))
+        .map_err(|e| RuntimeError::io(&tmp, e))?;
+    if converted_current(&dir) {
+        // Another process or thread finished first: use theirs.
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Ok(dir);
+    }
+    // An older layout is moved aside, not deleted in place: processes that have its files open
+    // keep reading them.
+    let stale = tmp_name(&dir);
+    let moved = std::fs::rename(&dir, &stale).is_ok();
+    let placed = std::fs::rename(&tmp, &dir);
+    if moved {
+        let _ = std::fs::remove_dir_all(&stale);
+    }
+    match placed {
         Ok(()) => Ok(dir),
-        // Another process finished first: use theirs.
-        Err(_) if dir.join("config.json").is_file() => {
+        Err(_) if converted_current(&dir) => {
             let _ = std::fs::remove_dir_all(&tmp);
             Ok(dir)
         }

@@ -196,6 +196,45 @@ fn sharded_checkpoint_gives_identical_logits() {
     assert_eq!(a, b);
 }
 
+/// `thaw convert` writes files the reference safetensors implementation reads (it refuses holes
+/// and overlaps), with the data section on a page boundary and the default model's tensors all
+/// on cache-line boundaries — the products read every weight in place, and 8-byte-aligned data
+/// made each 64-byte load straddle two lines.
+#[test]
+fn converted_files_are_standard_and_aligned() {
+    let dir = model(OutDtype::Bf16);
+    let path = dir.join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let header = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    assert_eq!(header % thaw_loader::safetensors::DATA_ALIGN, 0);
+    let names = st.names();
+    assert_eq!(names.len(), 272);
+    for name in names {
+        let t = st.tensor(name).unwrap();
+        let at = t.data().as_ptr() as usize - bytes.as_ptr() as usize;
+        assert!(at >= header);
+        assert_eq!(at % 64, 0, "{name} starts at byte {at}");
+    }
+    // Forward order in the data section: the embedding first, each layer before the next.
+    let mut order: Vec<(usize, String)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| (t.data().as_ptr() as usize, n))
+        .collect();
+    order.sort();
+    assert_eq!(order[0].1, "model.embed_tokens.weight");
+    let layer = |n: &str| -> Option<usize> {
+        n.strip_prefix("model.layers.")?
+            .split('.')
+            .next()?
+            .parse()
+            .ok()
+    };
+    let layers: Vec<usize> = order.iter().filter_map(|(_, n)| layer(n)).collect();
+    assert!(layers.windows(2).all(|w| w[0] <= w[1]), "{layers:?}");
+}
+
 #[test]
 fn chunked_prefill_is_bit_identical() {
     let dir = model(OutDtype::Bf16);
