@@ -79,11 +79,52 @@ pub(crate) struct Input<'a> {
     bf16: Option<(&'a [u16], usize)>,
 }
 
+/// A zeroed buffer of `T` on cache-line boundaries. The kernels load a token's activations 64
+/// bytes at a time, and a `Vec`'s buffer starts 16 bytes into a line (glibc), so every one of
+/// those loads straddled two lines: aligned, a 512-token prefill took 448 ms instead of 479
+/// (medians of 7 alternated runs; docs/PERFORMANCE.md, "Alignment of weights and KV rows").
+struct LineBuf<T> {
+    lines: Vec<Line>,
+    len: usize,
+    _t: std::marker::PhantomData<T>,
+}
+
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u8; 64]);
+
+/// Element types any bit pattern of which is a value (so zeroed bytes are zeros).
+trait Plain: Copy {}
+impl Plain for u16 {}
+impl Plain for f32 {}
+
+impl<T: Plain> LineBuf<T> {
+    fn zeroed(len: usize) -> LineBuf<T> {
+        let bytes = len * std::mem::size_of::<T>();
+        LineBuf {
+            lines: vec![Line([0; 64]); bytes.div_ceil(64)],
+            len,
+            _t: std::marker::PhantomData,
+        }
+    }
+    fn as_slice(&self) -> &[T] {
+        // SAFETY: the lines hold at least len × size_of::<T>() initialized bytes, aligned to 64
+        // (more than T needs); any bit pattern is a T (`Plain`).
+        unsafe { std::slice::from_raw_parts(self.lines.as_ptr().cast(), self.len) }
+    }
+    fn as_mut_slice(&mut self) -> &mut [T] {
+        // SAFETY: as in `as_slice`, with &mut self for exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr().cast(), self.len) }
+    }
+}
+
 /// `x` (`[n, k]`) rounded to bf16 (round to nearest even), each row zero-padded to a multiple of
-/// 32 so the kernel's 64-byte loads never need a mask.
-fn to_bf16_padded(x: &[f32], n: usize, k: usize) -> (Vec<u16>, usize) {
+/// 32 so the kernel's 64-byte loads never need a mask (and, the buffer being line-aligned, never
+/// straddle two lines).
+fn to_bf16_padded(x: &[f32], n: usize, k: usize) -> (LineBuf<u16>, usize) {
     let kp = k.div_ceil(32) * 32;
-    let mut out = vec![0u16; n * kp];
+    let mut buf = LineBuf::zeroed(n * kp);
+    let out = buf.as_mut_slice();
     for t in 0..n {
         for (o, &v) in out[t * kp..t * kp + k]
             .iter_mut()
@@ -92,14 +133,15 @@ fn to_bf16_padded(x: &[f32], n: usize, k: usize) -> (Vec<u16>, usize) {
             *o = half::bf16::from_f32(v).to_bits();
         }
     }
-    (out, kp)
+    (buf, kp)
 }
 
 /// Rearranges each 32-value chunk of each row of `x` (`[n, k]`) as its 16 even-indexed values
 /// followed by its 16 odd-indexed ones, zero-padding rows to a multiple of 32.
-fn split_even_odd(x: &[f32], n: usize, k: usize) -> (Vec<f32>, usize) {
+fn split_even_odd(x: &[f32], n: usize, k: usize) -> (LineBuf<f32>, usize) {
     let kp = k.div_ceil(32) * 32;
-    let mut out = vec![0f32; n * kp];
+    let mut buf = LineBuf::zeroed(n * kp);
+    let out = buf.as_mut_slice();
     for t in 0..n {
         let (src, dst) = (&x[t * k..(t + 1) * k], &mut out[t * kp..(t + 1) * kp]);
         for (j, &v) in src.iter().enumerate() {
@@ -107,7 +149,7 @@ fn split_even_odd(x: &[f32], n: usize, k: usize) -> (Vec<f32>, usize) {
             dst[c * 32 + (o % 2) * 16 + o / 2] = v;
         }
     }
-    (out, kp)
+    (buf, kp)
 }
 
 /// Raw output pointer shared by tasks that write disjoint elements.
@@ -181,8 +223,12 @@ pub fn matmul_with(
         let (m, out) = views[mi];
         let input = Input {
             x: &x[t0 * k..t1 * k],
-            split: split.as_ref().map(|(v, kp)| (&v[t0 * kp..t1 * kp], *kp)),
-            bf16: bf16.as_ref().map(|(v, kp)| (&v[t0 * kp..t1 * kp], *kp)),
+            split: split
+                .as_ref()
+                .map(|(v, kp)| (&v.as_slice()[t0 * kp..t1 * kp], *kp)),
+            bf16: bf16
+                .as_ref()
+                .map(|(v, kp)| (&v.as_slice()[t0 * kp..t1 * kp], *kp)),
         };
         // SAFETY: shapes were checked above; this task writes only rows r0..r1 of tokens
         // t0..t1 of `out`.
@@ -817,6 +863,28 @@ mod avx2 {
 mod tests {
     use super::*;
     use half::{bf16, f16};
+
+    #[test]
+    fn activation_copies_are_line_aligned_and_padded() {
+        for (n, k) in [(1, 576), (3, 50), (17, 1536)] {
+            let x: Vec<f32> = (0..n * k).map(|i| i as f32 * 0.25 - 3.0).collect();
+            let (b, kp) = to_bf16_padded(&x, n, k);
+            let (s, kp2) = split_even_odd(&x, n, k);
+            assert_eq!((kp % 32, kp2), (0, kp));
+            let (b, s) = (b.as_slice(), s.as_slice());
+            assert_eq!((b.len(), s.len()), (n * kp, n * kp));
+            assert_eq!(b.as_ptr() as usize % 64, 0);
+            assert_eq!(s.as_ptr() as usize % 64, 0);
+            for t in 0..n {
+                for j in 0..kp {
+                    let want = if j < k { x[t * k + j] } else { 0.0 };
+                    assert_eq!(b[t * kp + j], bf16::from_f32(want).to_bits());
+                    let (c, o) = (j / 32, j % 32);
+                    assert_eq!(s[t * kp + c * 32 + (o % 2) * 16 + o / 2], want);
+                }
+            }
+        }
+    }
 
     struct Rng(u64);
     impl Rng {
