@@ -85,10 +85,10 @@ fn attention(pool: &ThreadPool, pos: usize, rows: usize, store_mib: usize, bw: f
     let blocks = ((store_mib << 20) / (2 * 2 * block_stride)).max(1);
     let n = blocks * block_stride;
     // Values that keep the softmax finite; written so the pages exist before timing.
-    // In the runtime store's kind of memory (2 MiB aligned, huge-page advised: a `Vec`'s
-    // 16-byte offset makes every 128-byte row straddle three cache lines).
+    // In the runtime store's kind of memory (page aligned: a `Vec`'s 16-byte offset makes
+    // every 128-byte row straddle three cache lines).
     let fill = |m: usize| -> AlignedBuf {
-        let mut b = AlignedBuf::zeroed(n * 2);
+        let mut b = AlignedBuf::zeroed_small_pages(n * 2);
         for (i, x) in b.as_mut_slice().chunks_exact_mut(2).enumerate() {
             // bf16 = an f32's high half.
             let e = ((((i * m) % 1009) as f32 / 1009.0 - 0.5).to_bits() >> 16) as u16;
@@ -97,7 +97,7 @@ fn attention(pool: &ThreadPool, pos: usize, rows: usize, store_mib: usize, bw: f
         b
     };
     let (kb, vb) = (fill(7), fill(13));
-    // SAFETY: each buffer holds n initialized u16s and is 2 MiB aligned; both outlive the views.
+    // SAFETY: each buffer holds n initialized u16s and is page aligned; both outlive the views.
     let (k, v): (&[u16], &[u16]) = unsafe {
         (
             std::slice::from_raw_parts(kb.as_slice().as_ptr().cast(), n),

@@ -1,21 +1,23 @@
 //! The memory under the CPU backend's KV store: one buffer of keys or of values, f32 or bf16
-//! elements, in a 2 MiB-aligned anonymous mapping advised for transparent huge pages
-//! ([`thaw_loader::arena::AlignedBuf`]).
+//! elements, in a page-aligned anonymous mapping
+//! ([`thaw_loader::arena::AlignedBuf::zeroed_small_pages`]).
 //!
 //! Why not `Vec`: decode attention reads one KV head's row of a position (64 bf16 = 128 bytes
 //! for the default model) at a stride of the whole KV row, so every row it reads is a separate
 //! pair of cache lines — if rows start on a 64-byte boundary. A large `Vec` is a glibc `mmap`
 //! chunk whose data starts 16 bytes into its page, so each 128-byte row straddled three lines:
 //! `bench-coldstart kernels --attention` spent 1.6–2× as long a step over a 1 GiB store
-//! (docs/PERFORMANCE.md, "The KV store's alignment"). The mapping is untouched until written,
-//! so a large KV budget still costs nothing at start.
+//! (docs/PERFORMANCE.md, "Alignment of weights and KV rows"). The mapping is untouched until
+//! written, so a large KV budget still costs nothing at start. Not advised for huge pages: with
+//! aligned rows, 2 MiB pages measured no faster in the attention benchmark and slightly slower
+//! serving 1024-token prompts (as session 8 had found for unaligned ones).
 
 use thaw_kernels::ops::KvData;
 use thaw_loader::arena::AlignedBuf;
 
 use crate::model::KvDtype;
 
-/// `len` elements of `dtype`, zeroed, cache-line (indeed 2 MiB) aligned; grows by reallocating
+/// `len` elements of `dtype`, zeroed, cache-line (indeed page) aligned; grows by reallocating
 /// (capacity at least doubles, so a single sequence's cache growing a block at a time copies
 /// each element O(1) times).
 pub(crate) struct KvBuf {
@@ -28,7 +30,7 @@ impl KvBuf {
     /// `n` zeros.
     pub(crate) fn zeros(dtype: KvDtype, n: usize) -> KvBuf {
         KvBuf {
-            buf: AlignedBuf::zeroed(n * dtype.bytes()),
+            buf: AlignedBuf::zeroed_small_pages(n * dtype.bytes()),
             dtype,
             len: n,
         }
@@ -46,7 +48,7 @@ impl KvBuf {
         let size = self.dtype.bytes();
         if n * size > self.buf.len() {
             let cap = n.max(2 * self.len);
-            let mut bigger = AlignedBuf::zeroed(cap * size);
+            let mut bigger = AlignedBuf::zeroed_small_pages(cap * size);
             bigger.as_mut_slice()[..self.len * size]
                 .copy_from_slice(&self.buf.as_slice()[..self.len * size]);
             self.buf = bigger;
@@ -68,7 +70,7 @@ impl KvBuf {
     /// The elements, typed for the attention kernels.
     pub(crate) fn data(&self) -> KvData<'_> {
         let p = self.buf.as_slice().as_ptr();
-        // SAFETY: the mapping is 2 MiB aligned (so aligned for f32 and u16), holds at least
+        // SAFETY: the mapping is page aligned (so aligned for f32 and u16), holds at least
         // len × size zero-initialized bytes, and lives as long as &self; any bit pattern is a
         // valid f32/u16.
         unsafe {
