@@ -152,6 +152,66 @@ fn sharded_conversion_loads_and_generates() {
     assert!(stdout(&o).contains("Paris"), "{}", stdout(&o));
 }
 
+/// A default model cached by an older `thaw convert` (no format stamp, 8-byte-aligned data) is
+/// converted again on the next fetch, and replaced whole; a current one is left alone.
+#[test]
+fn fetch_reconverts_a_cache_from_an_older_converter() {
+    let gguf = dirs_gguf();
+    let home = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(home.path().join("downloads")).unwrap();
+    std::os::unix::fs::symlink(
+        &gguf,
+        home.path()
+            .join("downloads")
+            .join(gguf.file_name().unwrap()),
+    )
+    .unwrap();
+    let stale = home.path().join("models/smollm2-135m-instruct");
+    std::fs::create_dir_all(&stale).unwrap();
+    let real = model_dir("default");
+    std::fs::copy(real.join("config.json"), stale.join("config.json")).unwrap();
+    std::fs::write(stale.join("model.safetensors"), b"old layout").unwrap();
+    let fetch = || {
+        std::process::Command::new(thaw_tests::bin("thaw"))
+            .args(["model", "fetch"])
+            .env("THAW_HOME", home.path())
+            .output()
+            .unwrap()
+    };
+    let o = fetch();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(Path::new(stdout(&o).trim()), stale);
+    let st = std::fs::read(stale.join("model.safetensors")).unwrap();
+    let header = 8 + u64::from_le_bytes(st[..8].try_into().unwrap()) as usize;
+    assert_eq!(header % 4096, 0);
+    assert_eq!(
+        std::fs::read_to_string(stale.join("thaw-convert-format"))
+            .unwrap()
+            .trim(),
+        "2"
+    );
+    for f in ["tokenizer.json", "thaw-manifest.json"] {
+        assert!(stale.join(f).is_file(), "{f}");
+    }
+    // Nothing left beside it, and a second fetch converts nothing.
+    let names: Vec<_> = std::fs::read_dir(home.path().join("models"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(names.len(), 1, "{names:?}");
+    let mtime = || {
+        std::fs::metadata(stale.join("model.safetensors"))
+            .unwrap()
+            .modified()
+            .unwrap()
+    };
+    let before = mtime();
+    let o = fetch();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(mtime(), before);
+}
+
 fn dirs_gguf() -> std::path::PathBuf {
     model_dir("default");
     let home = std::env::var_os("THAW_HOME")
