@@ -372,7 +372,7 @@ fn write_safetensors(
             for &i in idx {
                 w.write_all(&tensors[i].2)?;
             }
-            w.into_inner().map_err(|e| e.into_error())?.sync_all()
+            w.flush()
         };
         write().map_err(|e| RuntimeError::io(&path, e))?;
     }

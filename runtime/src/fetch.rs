@@ -111,14 +111,14 @@ pub fn default_model(dtype: OutDtype) -> Result<PathBuf, RuntimeError> {
     }
     let gguf = default_gguf()?;
     let tmp = tmp_name(&dir);
-    convert(
-        &gguf,
-        &tmp,
-        &ConvertOptions {
-            dtype,
-            shard_size: None,
-        },
-    )?;
+    let opts = ConvertOptions {
+        dtype,
+        shard_size: None,
+    };
+    if let Err(e) = convert(&gguf, &tmp, &opts) {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
     std::fs::write(tmp.join(FORMAT_FILE), format!("{CONVERTED_FORMAT}\n"))
         .map_err(|e| RuntimeError::io(&tmp, e))?;
     if converted_current(&dir) {
