@@ -89,19 +89,20 @@ fn attention(pool: &ThreadPool, pos: usize, rows: usize, store_mib: usize, bw: f
     // every 128-byte row straddle three cache lines).
     let fill = |m: usize| -> AlignedBuf {
         let mut b = AlignedBuf::zeroed_small_pages(n * 2);
-        for (i, x) in b.as_mut_slice().chunks_exact_mut(2).enumerate() {
+        // SAFETY: page aligned, so u16 alignment holds; any bits are valid u16s.
+        let words = unsafe { b.as_mut_slice().align_to_mut::<u16>().1 };
+        for (i, x) in words.iter_mut().enumerate() {
             // bf16 = an f32's high half.
-            let e = ((((i * m) % 1009) as f32 / 1009.0 - 0.5).to_bits() >> 16) as u16;
-            x.copy_from_slice(&e.to_ne_bytes());
+            *x = ((((i * m) % 1009) as f32 / 1009.0 - 0.5).to_bits() >> 16) as u16;
         }
         b
     };
     let (kb, vb) = (fill(7), fill(13));
-    // SAFETY: each buffer holds n initialized u16s and is page aligned; both outlive the views.
-    let (k, v): (&[u16], &[u16]) = unsafe {
+    // SAFETY: as above.
+    let (k, v) = unsafe {
         (
-            std::slice::from_raw_parts(kb.as_slice().as_ptr().cast(), n),
-            std::slice::from_raw_parts(vb.as_slice().as_ptr().cast(), n),
+            kb.as_slice().align_to::<u16>().1,
+            vb.as_slice().align_to::<u16>().1,
         )
     };
     let mut seed = 0x9E37_79B9_7F4A_7C15u64;

@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value as Json};
 use thaw_loader::gguf::{GgufFile, GgufTensor, Value};
+use thaw_loader::Dtype;
 
 use crate::RuntimeError;
 
@@ -39,17 +40,12 @@ impl std::str::FromStr for OutDtype {
 }
 
 impl OutDtype {
-    fn st_name(self) -> &'static str {
+    /// The checkpoint dtype written (its safetensors name and element size).
+    fn stored(self) -> Dtype {
         match self {
-            OutDtype::Bf16 => "BF16",
-            OutDtype::F16 => "F16",
-            OutDtype::F32 => "F32",
-        }
-    }
-    fn size(self) -> usize {
-        match self {
-            OutDtype::F32 => 4,
-            _ => 2,
+            OutDtype::Bf16 => Dtype::BF16,
+            OutDtype::F16 => Dtype::F16,
+            OutDtype::F32 => Dtype::F32,
         }
     }
     fn torch_name(self) -> &'static str {
@@ -348,7 +344,7 @@ fn write_safetensors(
         let mut off = 0usize;
         for &i in idx {
             let (name, shape, bytes) = &tensors[i];
-            let want = shape.iter().product::<usize>() * opts.dtype.size();
+            let want = shape.iter().product::<usize>() * opts.dtype.stored().size();
             if bytes.len() != want {
                 return Err(RuntimeError::Convert(format!(
                     "tensor '{name}': shape {shape:?} of {:?} needs {want} bytes, got {}",
@@ -358,7 +354,7 @@ fn write_safetensors(
             }
             header.insert(
                 name.clone(),
-                json!({"dtype": opts.dtype.st_name(), "shape": shape, "data_offsets": [off, off + want]}),
+                json!({"dtype": opts.dtype.stored().name(), "shape": shape, "data_offsets": [off, off + want]}),
             );
             weight_map.insert(name.clone(), file.clone());
             off += want;

@@ -59,8 +59,8 @@ impl KvBuf {
     /// Stores `row` (f32, rounded to bf16 for a bf16 store) at element `at`.
     pub(crate) fn write(&mut self, at: usize, row: &[f32]) {
         match self.dtype {
-            KvDtype::F32 => self.f32_mut()[at..at + row.len()].copy_from_slice(row),
-            KvDtype::Bf16 => self.u16_mut()[at..at + row.len()]
+            KvDtype::F32 => self.elems_mut::<f32>()[at..at + row.len()].copy_from_slice(row),
+            KvDtype::Bf16 => self.elems_mut::<u16>()[at..at + row.len()]
                 .iter_mut()
                 .zip(row)
                 .for_each(|(o, &x)| *o = half::bf16::from_f32(x).to_bits()),
@@ -69,29 +69,25 @@ impl KvBuf {
 
     /// The elements, typed for the attention kernels.
     pub(crate) fn data(&self) -> KvData<'_> {
-        let p = self.buf.as_slice().as_ptr();
-        // SAFETY: the mapping is page aligned (so aligned for f32 and u16), holds at least
-        // len × size zero-initialized bytes, and lives as long as &self; any bit pattern is a
-        // valid f32/u16.
-        unsafe {
-            match self.dtype {
-                KvDtype::F32 => KvData::F32(std::slice::from_raw_parts(p.cast(), self.len)),
-                KvDtype::Bf16 => KvData::Bf16(std::slice::from_raw_parts(p.cast(), self.len)),
-            }
+        match self.dtype {
+            KvDtype::F32 => KvData::F32(self.elems()),
+            KvDtype::Bf16 => KvData::Bf16(self.elems()),
         }
     }
 
-    fn f32_mut(&mut self) -> &mut [f32] {
-        debug_assert_eq!(self.dtype, KvDtype::F32);
-        let p = self.buf.as_mut_slice().as_mut_ptr();
-        // SAFETY: as in `data`, with &mut self for exclusive access; the dtype is f32.
-        unsafe { std::slice::from_raw_parts_mut(p.cast(), self.len) }
+    /// The buffer as its `len` elements; `T` is the dtype's element (f32, or u16 bf16 bits).
+    fn elems<T: Copy>(&self) -> &[T] {
+        debug_assert_eq!(std::mem::size_of::<T>(), self.dtype.bytes());
+        // SAFETY: the mapping is page aligned (so aligned for f32 and u16), holds at least
+        // len × size zero-initialized bytes and lives as long as &self; any bit pattern is a
+        // valid f32/u16 (the only `T`s used).
+        unsafe { std::slice::from_raw_parts(self.buf.as_slice().as_ptr().cast(), self.len) }
     }
 
-    fn u16_mut(&mut self) -> &mut [u16] {
-        debug_assert_eq!(self.dtype, KvDtype::Bf16);
+    fn elems_mut<T: Copy>(&mut self) -> &mut [T] {
+        debug_assert_eq!(std::mem::size_of::<T>(), self.dtype.bytes());
         let p = self.buf.as_mut_slice().as_mut_ptr();
-        // SAFETY: as in `data`, with &mut self for exclusive access; the dtype is bf16.
+        // SAFETY: as in `elems`, with &mut self for exclusive access.
         unsafe { std::slice::from_raw_parts_mut(p.cast(), self.len) }
     }
 }
