@@ -182,11 +182,12 @@ impl InProcess {
             sampling: SamplingParams::default(),
             stop_ids: vec![],
             ignore_eos: true,
+            logprobs: None,
         });
         let mut o = Outcome::default();
         while let Some(e) = s.recv() {
             match e {
-                Event::Token(_) => o.chunks.push(start.elapsed().as_secs_f64()),
+                Event::Token { .. } => o.chunks.push(start.elapsed().as_secs_f64()),
                 Event::Finished { .. } => break,
                 Event::Error(e) => {
                     o.error = Some(e);

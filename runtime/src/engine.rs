@@ -27,7 +27,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use crate::generate::FinishReason;
 use crate::kv::{BlockId, BlockManager};
 use crate::model::{SeqChunk, DEFAULT_BLOCK_SIZE};
-use crate::sampling::{Sampler, SamplingParams};
+use crate::sampling::{logprobs, Sampler, SamplingParams, TokenLogprobs};
 use crate::step::StepModel;
 use crate::RuntimeError;
 
@@ -62,11 +62,22 @@ pub struct Request {
     /// Ids that end the sequence (EOS); ignored with `ignore_eos`.
     pub stop_ids: Vec<u32>,
     pub ignore_eos: bool,
+    /// Report each generated token's log probability and this many likeliest alternatives
+    /// (see [`crate::sampling::logprobs`]); `None`: no log probabilities. Such a request's
+    /// steps take the logits path, never the model's on-device argmax.
+    pub logprobs: Option<usize>,
 }
+
+/// The most alternatives a request may ask log probabilities for (OpenAI's and vLLM's limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
-    Token(u32),
+    /// A generated token, with its log probabilities when the request asked for them.
+    Token {
+        id: u32,
+        logprobs: Option<Box<TokenLogprobs>>,
+    },
     Finished {
         reason: FinishReason,
         prompt_tokens: usize,
@@ -129,7 +140,7 @@ impl EventStream {
         let mut ids = Vec::new();
         while let Some(e) = self.recv() {
             match e {
-                Event::Token(t) => ids.push(t),
+                Event::Token { id, .. } => ids.push(id),
                 other => return (ids, other),
             }
         }
@@ -350,6 +361,10 @@ impl<M: StepModel> Scheduler<M> {
             .find(|&&t| t as usize >= self.model.config().vocab_size)
         {
             Some(format!("token id {t} is outside the vocabulary"))
+        } else if req.logprobs.is_some_and(|k| k > MAX_TOP_LOGPROBS) {
+            Some(format!(
+                "at most {MAX_TOP_LOGPROBS} alternatives' log probabilities per token"
+            ))
         } else {
             req.sampling.validate().err()
         };
@@ -486,10 +501,11 @@ impl<M: StepModel> Scheduler<M> {
                 table: &s.table,
             })
             .collect();
-        // A step where every sequence that samples is greedy asks the model for ids only.
-        let greedy = plan
-            .iter()
-            .all(|(s, n)| s.done + n < s.tokens.len() || s.sampler.is_greedy());
+        // A step where every sequence that samples is greedy (and wants no log probabilities)
+        // asks the model for ids only.
+        let greedy = plan.iter().all(|(s, n)| {
+            s.done + n < s.tokens.len() || (s.sampler.is_greedy() && s.req.logprobs.is_none())
+        });
         let result = if greedy {
             self.model
                 .forward_batch_greedy(&chunks, &mut self.kv)
@@ -520,16 +536,20 @@ impl<M: StepModel> Scheduler<M> {
                 self.running.push(s); // more prompt to go
                 continue;
             }
-            let id = match &out {
-                StepOut::Ids(ids) => ids[j],
-                StepOut::Logits(l) => s.sampler.sample(&l[j * vocab..(j + 1) * vocab]),
+            let (id, lp) = match &out {
+                StepOut::Ids(ids) => (ids[j], None),
+                StepOut::Logits(l) => {
+                    let row = &l[j * vocab..(j + 1) * vocab];
+                    let id = s.sampler.sample(row);
+                    (id, s.req.logprobs.map(|k| Box::new(logprobs(row, id, k))))
+                }
             };
             s.sampler.observe(id);
             let stop = !s.req.ignore_eos && s.req.stop_ids.contains(&id);
             let mut alive = true;
             if !stop {
                 s.tokens.push(id);
-                alive = s.events.send(Event::Token(id)).is_ok();
+                alive = s.events.send(Event::Token { id, logprobs: lp }).is_ok();
             }
             let reason = if stop {
                 Some(FinishReason::Stop)

@@ -4,6 +4,11 @@
 //! `frequency_penalty × count + presence_penalty × (count > 0)`, counting the tokens this
 //! request has generated so far (not the prompt).
 //!
+//! `logit_bias` (OpenAI's: a value in [-100, 100] added to a token's logit) applies before the
+//! penalties. Log probabilities ([`logprobs`]) are always those of the model's own distribution
+//! (the raw logits' log-softmax, before bias, penalties and temperature), as vLLM reports them
+//! by default: they say what the model thought, whatever the sampler then did.
+//!
 //! The RNG is SplitMix64: tiny, fast, and fully determined by the seed, so a seeded request gives
 //! the same tokens on every run and every machine.
 
@@ -20,6 +25,8 @@ pub struct SamplingParams {
     pub presence_penalty: f32,
     /// In [-2, 2]; 0 means none.
     pub frequency_penalty: f32,
+    /// (token id, value in [-100, 100]) added to the logits before sampling.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -31,6 +38,7 @@ impl Default for SamplingParams {
             seed: None,
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -53,6 +61,15 @@ impl SamplingParams {
             if !(-2.0..=2.0).contains(&v) {
                 return Err(format!("{name} must be in [-2, 2], got {v}"));
             }
+        }
+        if let Some((id, v)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, v)| !(-100.0..=100.0).contains(v))
+        {
+            return Err(format!(
+                "logit_bias values must be in [-100, 100], got {v} for token {id}"
+            ));
         }
         Ok(())
     }
@@ -83,10 +100,10 @@ impl Sampler {
         }
     }
 
-    /// Whether [`Sampler::sample`] is a plain argmax (temperature 0, no penalties): then the
-    /// model may pick the id itself ([`crate::StepModel::forward_batch_greedy`]).
+    /// Whether [`Sampler::sample`] is a plain argmax (temperature 0, no penalties, no bias):
+    /// then the model may pick the id itself ([`crate::StepModel::forward_batch_greedy`]).
     pub fn is_greedy(&self) -> bool {
-        self.params.temperature <= 0.0 && !self.penalized()
+        self.params.temperature <= 0.0 && !self.penalized() && self.params.logit_bias.is_empty()
     }
 
     fn penalized(&self) -> bool {
@@ -100,14 +117,19 @@ impl Sampler {
         }
     }
 
-    /// Picks the next token from `logits`, after applying the penalties.
+    /// Picks the next token from `logits`, after applying the bias and the penalties.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        if !self.penalized() || self.counts.is_empty() {
+        if self.params.logit_bias.is_empty() && (!self.penalized() || self.counts.is_empty()) {
             return self.pick(logits);
         }
         let mut l = std::mem::take(&mut self.scratch);
         l.clear();
         l.extend_from_slice(logits);
+        for &(id, b) in &self.params.logit_bias {
+            if let Some(v) = l.get_mut(id as usize) {
+                *v += b;
+            }
+        }
         for (&id, &n) in &self.counts {
             if let Some(v) = l.get_mut(id as usize) {
                 *v -= self.params.frequency_penalty * n as f32 + self.params.presence_penalty;
@@ -177,6 +199,46 @@ impl Sampler {
     }
 }
 
+/// The log probabilities of one generated token: its own and the `k` likeliest alternatives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub logprob: f32,
+    /// (id, log probability), likeliest first (ties: lower id first).
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Log-softmax of `logits` at `id`, and its `k` largest entries: one pass for the maximum and
+/// the top `k` (an insertion into a short sorted list; `k` is at most 20), one for the sum.
+pub fn logprobs(logits: &[f32], id: u32, k: usize) -> TokenLogprobs {
+    let mut max = f32::NEG_INFINITY;
+    let mut top: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
+    for (i, &v) in logits.iter().enumerate() {
+        if v.is_nan() {
+            continue;
+        }
+        max = max.max(v);
+        if k > 0 && (top.len() < k || v > top[top.len() - 1].1) {
+            // After the last entry that is >= v: equal logits keep the lower id first.
+            let at = top.partition_point(|&(_, t)| t >= v);
+            top.insert(at, (i as u32, v));
+            top.truncate(k);
+        }
+    }
+    let sum: f64 = logits
+        .iter()
+        .filter(|v| !v.is_nan())
+        .map(|&v| ((v - max) as f64).exp())
+        .sum();
+    let lse = max as f64 + sum.ln();
+    let lp = |v: f32| (v as f64 - lse) as f32;
+    TokenLogprobs {
+        logprob: logits
+            .get(id as usize)
+            .map_or(f32::NEG_INFINITY, |&v| lp(v)),
+        top: top.into_iter().map(|(i, v)| (i, lp(v))).collect(),
+    }
+}
+
 /// Index of the largest logit (the first one on ties).
 pub fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0;
@@ -243,6 +305,59 @@ mod tests {
         }
         .validate()
         .is_err());
+    }
+
+    #[test]
+    fn logit_bias_moves_and_bans_tokens() {
+        let logits = [3.0, 2.5, 0.0];
+        let biased = |bias: Vec<(u32, f32)>| {
+            let mut s = Sampler::new(SamplingParams {
+                logit_bias: bias,
+                ..Default::default()
+            });
+            assert!(!s.is_greedy(), "a biased argmax is not the model's argmax");
+            s.sample(&logits)
+        };
+        assert_eq!(biased(vec![(2, 3.5)]), 2);
+        assert_eq!(biased(vec![(0, -100.0)]), 1);
+        // An id past the vocabulary changes nothing (the server refuses it before).
+        assert_eq!(biased(vec![(7, 100.0)]), 0);
+        // Sampled: a banned token never comes up.
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            seed: Some(9),
+            logit_bias: vec![(0, -100.0), (1, -100.0)],
+            ..Default::default()
+        });
+        assert!((0..100).all(|_| s.sample(&logits) == 2));
+        assert!(SamplingParams {
+            logit_bias: vec![(1, 101.0)],
+            ..Default::default()
+        }
+        .validate()
+        .is_err());
+    }
+
+    #[test]
+    fn logprobs_are_the_log_softmax_and_its_top_k() {
+        let logits = [1.0f32, 3.0, 3.0, -2.0, f32::NAN, 0.5];
+        let z: f64 = [1.0f64, 3.0, 3.0, -2.0, 0.5].iter().map(|v| v.exp()).sum();
+        let want = |v: f64| (v - z.ln()) as f32;
+        let l = logprobs(&logits, 5, 3);
+        assert!((l.logprob - want(0.5)).abs() < 1e-6, "{l:?}");
+        let ids: Vec<u32> = l.top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, vec![1, 2, 0], "likeliest first, ties by id");
+        for (id, lp) in &l.top {
+            assert!((lp - want(logits[*id as usize] as f64)).abs() < 1e-6);
+        }
+        let total: f64 = [0usize, 1, 2, 3, 5]
+            .iter()
+            .map(|&i| (logprobs(&logits, i as u32, 0).logprob as f64).exp())
+            .sum();
+        assert!((total - 1.0).abs() < 1e-6, "{total}");
+        assert!(logprobs(&logits, 0, 0).top.is_empty());
+        // k larger than the vocabulary: every (non-NaN) token, sorted.
+        assert_eq!(logprobs(&logits, 0, 20).top.len(), 5);
     }
 
     #[test]

@@ -104,6 +104,54 @@ impl TextTokenizer {
     pub fn token_to_id(&self, s: &str) -> Option<u32> {
         self.special.token_to_id(s)
     }
+
+    /// The bytes one token stands for on its own (what OpenAI's `logprobs.bytes` holds): added
+    /// tokens' text; byte-level BPE pieces mapped back through GPT-2's byte ↔ character table
+    /// (a piece may be part of a UTF-8 character, so this is bytes, not text); `<0xHH>`
+    /// byte-fallback pieces their byte; anything else the decoder's text for the id alone.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let tk = &self.special;
+        if let Some(t) = tk.get_added_vocabulary().simple_id_to_token(id) {
+            return t.into_bytes();
+        }
+        let Some(piece) = tk.id_to_token(id) else {
+            return Vec::new();
+        };
+        if matches!(
+            tk.get_decoder(),
+            Some(tokenizers::DecoderWrapper::ByteLevel(_))
+        ) {
+            if let Some(b) = piece.chars().map(byte_level_byte).collect() {
+                return b;
+            }
+        }
+        if let Some(b) = piece
+            .strip_prefix("<0x")
+            .and_then(|h| h.strip_suffix('>'))
+            .filter(|h| h.len() == 2)
+            .and_then(|h| u8::from_str_radix(h, 16).ok())
+        {
+            return vec![b];
+        }
+        match tk.decode(&[id], false) {
+            Ok(t) => t.into_bytes(),
+            Err(_) => piece.into_bytes(),
+        }
+    }
+}
+
+/// GPT-2's byte-level alphabet backwards: printable Latin-1 characters stand for their own byte,
+/// and the 68 other bytes (controls, space, …) were moved to U+0100.. in byte order.
+fn byte_level_byte(c: char) -> Option<u8> {
+    let printable = |b: u32| (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || b >= 0xae;
+    let c = c as u32;
+    if c < 0x100 {
+        return printable(c).then_some(c as u8);
+    }
+    (0u32..0x100)
+        .filter(|&b| !printable(b))
+        .nth((c - 0x100) as usize)
+        .map(|b| b as u8)
 }
 
 /// Incremental detokenization: turns a growing id sequence into text deltas, holding back bytes

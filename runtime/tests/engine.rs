@@ -33,6 +33,7 @@ fn request(prompt: Vec<u32>, max_tokens: usize, stop_ids: Vec<u32>) -> Request {
         sampling: SamplingParams::default(),
         stop_ids,
         ignore_eos: false,
+        logprobs: None,
     }
 }
 
@@ -129,7 +130,7 @@ fn cancelled_request_frees_its_blocks() {
     r.ignore_eos = true;
     let mut s = e.submit(r);
     for _ in 0..3 {
-        assert!(matches!(s.recv(), Some(Event::Token(_))));
+        assert!(matches!(s.recv(), Some(Event::Token { .. })));
     }
     assert!(e.stats().blocks_used > 0);
     drop(s);
@@ -222,4 +223,87 @@ fn bad_requests_get_errors_not_panics() {
     assert!(e.is_alive());
     let (ids, _) = e.submit(request(vec![1; 4], 2, vec![])).collect();
     assert_eq!(ids.len(), 2);
+}
+
+/// Log probabilities through the engine are the log-softmax of the model's own logits at each
+/// position (computed here with the plain single-sequence forward pass), top lists sorted, and
+/// asking for them changes no token.
+#[test]
+fn logprobs_are_the_models_log_softmax() {
+    use thaw_runtime::KvCache;
+    let (m, tok) = setup();
+    let prompt = prompts(3).remove(2);
+    let want = alone(&prompt, 8);
+    let e = Engine::start(m.clone(), cfg(m, 64, 512)).unwrap();
+    let mut r = request(prompt.clone(), 8, eos(m, tok));
+    r.logprobs = Some(4);
+    // A second request in the same batches, without log probabilities, sampled.
+    let mut other = request(prompts(2).remove(1), 8, vec![]);
+    other.sampling.temperature = 0.8;
+    other.sampling.seed = Some(1);
+    let (mut s, mut s2) = (e.submit(r), e.submit(other));
+    let mut got = vec![];
+    let mut lps = vec![];
+    while let Some(ev) = s.recv() {
+        match ev {
+            Event::Token { id, logprobs } => {
+                got.push(id);
+                lps.push(*logprobs.expect("asked for"));
+            }
+            Event::Finished { .. } => break,
+            e => panic!("{e:?}"),
+        }
+    }
+    assert_eq!(got, want);
+    while let Some(ev) = s2.recv() {
+        match ev {
+            Event::Token { logprobs, .. } => assert!(logprobs.is_none()),
+            _ => break,
+        }
+    }
+    // The reference: logits of each position from the single-sequence pass.
+    let mut cache = KvCache::new(m);
+    let mut logits = m.forward(&prompt, &mut cache, false).unwrap();
+    for (i, (&id, lp)) in got.iter().zip(&lps).enumerate() {
+        let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let lse = max
+            + logits
+                .iter()
+                .map(|&v| (v as f64 - max).exp())
+                .sum::<f64>()
+                .ln();
+        let want_lp = (logits[id as usize] as f64 - lse) as f32;
+        assert!(
+            (lp.logprob - want_lp).abs() < 1e-4,
+            "token {i}: {lp:?} vs {want_lp}"
+        );
+        assert_eq!(lp.top.len(), 4);
+        // Greedy: the chosen token is the likeliest.
+        assert_eq!(lp.top[0], (id, lp.logprob), "token {i}");
+        assert!(lp.top.windows(2).all(|w| w[0].1 >= w[1].1), "{lp:?}");
+        for &(t, l) in &lp.top {
+            assert!((l - (logits[t as usize] as f64 - lse) as f32).abs() < 1e-4);
+        }
+        logits = m.forward(&[id], &mut cache, false).unwrap();
+    }
+    wait_idle(&e);
+}
+
+/// `logit_bias` -100 on the greedy continuation's first token makes the engine pick another,
+/// and the request still finishes and frees its blocks.
+#[test]
+fn logit_bias_bans_a_token() {
+    let (m, tok) = setup();
+    let prompt = prompts(1).remove(0);
+    let want = alone(&prompt, 4);
+    let e = Engine::start(m.clone(), cfg(m, 64, 512)).unwrap();
+    let mut r = request(prompt, 4, eos(m, tok));
+    r.sampling.logit_bias = vec![(want[0], -100.0)];
+    let (ids, fin) = e.submit(r).collect();
+    assert!(matches!(fin, Event::Finished { .. }), "{fin:?}");
+    assert!(
+        !ids.is_empty() && !ids.contains(&want[0]),
+        "{ids:?} vs {want:?}"
+    );
+    wait_idle(&e);
 }

@@ -57,6 +57,35 @@ fn tokenization_matches_llama_cpp() {
     }
 }
 
+/// Each token's bytes (what logprobs report) put back together are the text, byte for byte,
+/// also where a token holds only part of a UTF-8 character; special tokens are their text.
+#[test]
+fn token_bytes_concatenate_to_the_text() {
+    let tok = TextTokenizer::load(&model(OutDtype::Bf16)).unwrap();
+    let mut texts: Vec<String> = golden()["tokenize"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["text"].as_str().unwrap().to_string())
+        .collect();
+    texts.push("tabs\t, NUL \u{0}, emoji 🧊 and 日本語, <|im_start|>user".into());
+    let mut partial = false;
+    for text in &texts {
+        let ids = tok.encode(text, true).unwrap();
+        let bytes: Vec<u8> = ids.iter().flat_map(|&i| tok.token_bytes(i)).collect();
+        let skip = if tok.add_bos {
+            tok.bos_token.as_ref().map_or(0, |b| b.len())
+        } else {
+            0
+        };
+        assert_eq!(&bytes[skip..], text.as_bytes(), "{text:?}");
+        partial |= ids
+            .iter()
+            .any(|&i| std::str::from_utf8(&tok.token_bytes(i)).is_err());
+    }
+    assert!(partial, "no case split a character across tokens");
+}
+
 /// The default model's tokenizer takes the fast loading path, and that path encodes exactly as
 /// `tokenizers`' own loader does.
 #[test]

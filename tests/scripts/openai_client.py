@@ -41,6 +41,21 @@ r = client.completions.create(model=model, prompt="The capital of France is", ma
 out["completion"] = {"text": r.choices[0].text, "finish_reason": r.choices[0].finish_reason,
                      "usage": r.usage.model_dump()}
 
+r = client.chat.completions.create(model=model, messages=msgs, max_tokens=6, temperature=0,
+                                   logprobs=True, top_logprobs=2, n=2)
+out["chat_logprobs"] = [
+    {"text": c.message.content,
+     "tokens": [t.token for t in c.logprobs.content],
+     "logprobs": [t.logprob for t in c.logprobs.content],
+     "top": [[a.token for a in t.top_logprobs] for t in c.logprobs.content]}
+    for c in r.choices
+]
+
+r = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4,
+                              temperature=0, logprobs=2, logit_bias={"7042": -100})
+out["completion_logprobs"] = {"text": r.choices[0].text, "tokens": r.choices[0].logprobs.tokens,
+                              "top": r.choices[0].logprobs.top_logprobs}
+
 out["models"] = [m.id for m in client.models.list().data]
 
 try:

@@ -7,7 +7,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use thaw_tests::{client, golden, model_dir, Server};
+use thaw_tests::{client, golden, model_dir, thaw, Server};
 
 fn post(s: &Server, path: &str, body: &Value) -> (u16, Value) {
     let r = client().post(s.url(path)).json(body).send().expect("POST");
@@ -221,6 +221,27 @@ fn official_openai_python_client() {
     }
     assert!(v["chat_stream"]["chunks"].as_u64().unwrap() > 1);
     assert_eq!(v["completion"]["usage"]["completion_tokens"], 8);
+    // Log probabilities and n through the client's own types.
+    let lp = v["chat_logprobs"].as_array().unwrap();
+    assert_eq!(lp.len(), 2, "{v}");
+    assert_eq!(lp[0], lp[1], "greedy choices are alike");
+    let toks: Vec<&str> = lp[0]["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(toks.concat(), lp[0]["text"].as_str().unwrap());
+    assert!(lp[0]["top"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|t| t.as_array().unwrap().len() == 2));
+    let c = &v["completion_logprobs"];
+    assert_eq!(c["tokens"].as_array().unwrap().len(), 4, "{v}");
+    // 7042 is " Paris", the greedy first token without the bias.
+    assert_ne!(c["tokens"][0], " Paris", "{v}");
+    assert!(!c["text"].as_str().unwrap().starts_with(" Paris"), "{v}");
     assert_eq!(v["models"], json!(["smollm2-135m-instruct"]));
     assert_eq!(v["unknown_model"], 404);
 }
@@ -358,13 +379,34 @@ fn errors_have_their_status_and_openai_shape() {
         ),
         (
             "/v1/chat/completions",
-            chat(json!({"n": 2})),
+            chat(json!({"n": 17})),
             Some("k1"),
             400,
             "invalid_request",
         ),
         (
             "/v1/chat/completions",
+            chat(json!({"top_logprobs": 2})),
+            Some("k1"),
+            400,
+            "invalid_request",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"logprobs": true, "top_logprobs": 21})),
+            Some("k1"),
+            400,
+            "invalid_request",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"logit_bias": {"49152": 5}})),
+            Some("k1"),
+            400,
+            "invalid_request",
+        ),
+        (
+            "/invoke",
             chat(json!({"logprobs": true})),
             Some("k1"),
             400,
@@ -461,6 +503,197 @@ fn overload_gets_429_and_server_stays_healthy() {
     );
     assert_eq!(st, 200);
     assert_eq!(s.status("/health"), 200);
+}
+
+/// Log probabilities in both APIs' forms, streamed and not; `n` choices; `logit_bias`.
+#[test]
+fn logprobs_choices_and_logit_bias() {
+    model_dir("default");
+    let s = Server::ready(&[]);
+    let msgs = json!([{"role": "user", "content": "Write a haiku about ice."}]);
+    // Chat, greedy, 3 alternatives: one entry per token, the chosen one first among them, and
+    // the tokens' bytes are the text.
+    let body = json!({"messages": msgs, "max_tokens": 12, "temperature": 0, "ignore_eos": true,
+                      "logprobs": true, "top_logprobs": 3});
+    let (st, v) = post(&s, "/v1/chat/completions", &body);
+    assert_eq!(st, 200, "{v}");
+    let content = v["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert_eq!(content.len(), 12, "{v}");
+    let mut bytes = vec![];
+    for e in &content {
+        let lp = e["logprob"].as_f64().unwrap();
+        assert!((-30.0..=0.0).contains(&lp), "{e}");
+        let top = e["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3, "{e}");
+        assert_eq!(
+            top[0]["token"], e["token"],
+            "greedy picks the likeliest: {e}"
+        );
+        assert!(top
+            .windows(2)
+            .all(|w| w[0]["logprob"].as_f64() >= w[1]["logprob"].as_f64()));
+        bytes.extend(
+            e["bytes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|b| b.as_u64().unwrap() as u8),
+        );
+    }
+    assert_eq!(
+        String::from_utf8(bytes).unwrap(),
+        v["choices"][0]["message"]["content"].as_str().unwrap()
+    );
+    // Streamed: the same entries, spread over the chunks.
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    let r = client()
+        .post(s.url("/v1/chat/completions"))
+        .json(&sb)
+        .send()
+        .unwrap();
+    let mut streamed = vec![];
+    for e in sse_events(r).iter().filter(|e| *e != "[DONE]") {
+        let c: Value = serde_json::from_str(e).unwrap();
+        if let Some(l) = c["choices"][0]["logprobs"]["content"].as_array() {
+            streamed.extend(l.iter().cloned());
+        }
+    }
+    assert_eq!(streamed, content);
+    // Without asking: null.
+    let (_, v) = post(
+        &s,
+        "/v1/chat/completions",
+        &json!({"messages": msgs, "max_tokens": 2}),
+    );
+    assert!(v["choices"][0]["logprobs"].is_null(), "{v}");
+
+    // Completions: logprobs N, parallel lists, offsets into the text.
+    let body = json!({"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
+                      "ignore_eos": true, "logprobs": 2});
+    let (st, v) = post(&s, "/v1/completions", &body);
+    assert_eq!(st, 200, "{v}");
+    let lp = &v["choices"][0]["logprobs"];
+    let tokens: Vec<&str> = lp["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(tokens.concat(), v["choices"][0]["text"].as_str().unwrap());
+    assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), 6);
+    let mut off = 0;
+    for (i, t) in tokens.iter().enumerate() {
+        assert_eq!(lp["text_offset"][i], off, "{lp}");
+        off += t.chars().count();
+        let top = lp["top_logprobs"][i].as_object().unwrap();
+        assert!(!top.is_empty() && top.len() <= 2, "{lp}");
+        assert_eq!(
+            top[*t], lp["token_logprobs"][i],
+            "greedy picks the likeliest: {lp}"
+        );
+    }
+    let first = tokens[0].to_string();
+
+    // logit_bias -100 on the greedy first token: another one comes first.
+    let id = {
+        let (_, t) = post(
+            &s,
+            "/v1/completions",
+            &json!({"prompt": "The capital of France is",
+            "max_tokens": 1, "temperature": 0, "logprobs": 0}),
+        );
+        assert_eq!(t["choices"][0]["logprobs"]["tokens"][0], first.as_str());
+        let out = thaw(&["tokenize", "--model", "default", "--text", &first]);
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["ids"][0].as_u64().unwrap()
+    };
+    let mut biased = body.clone();
+    biased["logit_bias"] = json!({ id.to_string(): -100 });
+    let (st, v) = post(&s, "/v1/completions", &biased);
+    assert_eq!(st, 200, "{v}");
+    assert_ne!(
+        v["choices"][0]["logprobs"]["tokens"][0],
+        first.as_str(),
+        "{v}"
+    );
+
+    // n = 3 sampled choices, seeded: indices 0..3, usage adds the completions up, the same
+    // request again gives the same three texts, and the streamed form gives them too.
+    let body = json!({"messages": msgs, "max_tokens": 8, "temperature": 1.0, "seed": 11,
+                      "ignore_eos": true, "n": 3});
+    let (st, v) = post(&s, "/v1/chat/completions", &body);
+    assert_eq!(st, 200, "{v}");
+    let texts = |v: &Value| -> Vec<String> {
+        v["choices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                assert_eq!(c["index"], i);
+                c["message"]["content"].as_str().unwrap().to_string()
+            })
+            .collect()
+    };
+    let t1 = texts(&v);
+    assert_eq!(t1.len(), 3);
+    assert!(
+        t1[0] != t1[1] || t1[1] != t1[2],
+        "seeded choices all alike: {t1:?}"
+    );
+    assert_eq!(v["usage"]["completion_tokens"], 24, "{v}");
+    let (_, again) = post(&s, "/v1/chat/completions", &body);
+    assert_eq!(texts(&again), t1);
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    sb["stream_options"] = json!({"include_usage": true});
+    let r = client()
+        .post(s.url("/v1/chat/completions"))
+        .json(&sb)
+        .send()
+        .unwrap();
+    let mut parts = vec![String::new(); 3];
+    let mut finished = 0;
+    let mut usage = Value::Null;
+    for e in sse_events(r).iter().filter(|e| *e != "[DONE]") {
+        let c: Value = serde_json::from_str(e).unwrap();
+        if !c["usage"].is_null() {
+            usage = c["usage"].clone();
+        }
+        for ch in c["choices"].as_array().unwrap() {
+            let i = ch["index"].as_u64().unwrap() as usize;
+            parts[i].push_str(ch["delta"]["content"].as_str().unwrap_or(""));
+            finished += ch["finish_reason"].is_string() as usize;
+        }
+    }
+    assert_eq!(parts, t1);
+    assert_eq!(finished, 3);
+    assert_eq!(usage["completion_tokens"], 24);
+
+    // A client that leaves an n = 3 stream frees all three sequences' blocks.
+    let mut resp = client()
+        .post(s.url("/v1/chat/completions"))
+        .json(
+            &json!({"messages": msgs, "max_tokens": 4000, "ignore_eos": true,
+                      "stream": true, "n": 3}),
+        )
+        .send()
+        .unwrap();
+    let mut buf = [0u8; 4096];
+    let mut got = 0;
+    while got < 3000 {
+        got += resp.read(&mut buf).unwrap();
+    }
+    assert_eq!(s.metric("thaw_num_requests_running"), 3.0);
+    drop(resp);
+    s.wait_until("the KV blocks to be freed", 20, || {
+        s.metric("thaw_kv_cache_usage_perc") <= 0.0
+    });
+    assert_eq!(s.metric("thaw_num_requests_running"), 0.0);
 }
 
 #[test]

@@ -1,14 +1,33 @@
 //! The OpenAI request bodies this worker accepts, and their checks. Parameters it cannot honour
-//! (logprobs, n > 1, tools, logit_bias, ...) are refused with a 400 that names them, never
-//! silently ignored; fields that change nothing about the output (`user`, `metadata`) are
-//! accepted.
+//! (n > 1, tools, echo, ...) are refused with a 400 that names them, never silently ignored;
+//! fields that change nothing about the output (`user`, `metadata`) are accepted. Log
+//! probabilities take each API's own form: chat's `logprobs: true` + `top_logprobs: 0..=20`,
+//! completions' `logprobs: 0..=20`.
 
 use serde::Deserialize;
 use serde_json::Value;
 
 use super::error::ApiError;
 use crate::chat::ChatMessage;
+use crate::engine::MAX_TOP_LOGPROBS;
 use crate::sampling::SamplingParams;
+
+/// Choices per request (`n`): each is a sequence in the engine and an admission slot.
+pub const MAX_CHOICES: u64 = 16;
+
+/// OpenAI allows 300 biased tokens per request.
+const MAX_LOGIT_BIAS: usize = 300;
+
+/// Which API's reading of `logprobs` / `top_logprobs` applies.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum LogprobsForm {
+    /// `logprobs: true`, `top_logprobs: k`.
+    Chat,
+    /// `logprobs: k`.
+    Completion,
+    /// Not offered (`/invoke`).
+    Refused,
+}
 
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
@@ -40,16 +59,22 @@ pub struct Params {
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
     pub ignore_eos: Option<bool>,
-    // Refused when set to anything that would change the answer.
+    /// Chat: a boolean; completions: how many alternatives (checked by [`Params::logprobs`]).
     pub logprobs: Option<Value>,
     pub top_logprobs: Option<Value>,
     pub logit_bias: Option<Value>,
+    // Refused when set to anything that would change the answer.
     pub tools: Option<Value>,
     pub tool_choice: Option<Value>,
     pub response_format: Option<Value>,
     pub echo: Option<bool>,
     pub best_of: Option<u64>,
     pub suffix: Option<Value>,
+}
+
+/// A field that is present and not `null`.
+fn set(v: &Option<Value>) -> Option<&Value> {
+    v.as_ref().filter(|v| !v.is_null())
 }
 
 fn truthy(v: &Option<Value>) -> bool {
@@ -69,17 +94,8 @@ impl Params {
         let unsupported = |p: &'static str, what: &str| {
             Err(ApiError::bad_request(format!("{what} is not supported by this worker")).param(p))
         };
-        if self.n.unwrap_or(1) != 1 {
-            return unsupported("n", "n other than 1");
-        }
         if self.best_of.unwrap_or(1) != 1 {
             return unsupported("best_of", "best_of other than 1");
-        }
-        if truthy(&self.logprobs) || truthy(&self.top_logprobs) {
-            return unsupported("logprobs", "logprobs");
-        }
-        if truthy(&self.logit_bias) {
-            return unsupported("logit_bias", "logit_bias");
         }
         if truthy(&self.tools) || truthy(&self.tool_choice) {
             return unsupported("tools", "tool calling");
@@ -97,6 +113,109 @@ impl Params {
             }
         }
         Ok(())
+    }
+
+    /// How many choices to generate (`n`, 1 to [`MAX_CHOICES`]).
+    pub fn choices(&self) -> Result<usize, ApiError> {
+        match self.n.unwrap_or(1) {
+            n @ 1..=MAX_CHOICES => Ok(n as usize),
+            n => Err(
+                ApiError::bad_request(format!("n must be from 1 to {MAX_CHOICES}, got {n}"))
+                    .param("n"),
+            ),
+        }
+    }
+
+    /// How many alternatives' log probabilities each generated token should carry (`None`: no
+    /// log probabilities), read the way `form`'s API defines the fields.
+    pub fn logprobs(&self, form: LogprobsForm) -> Result<Option<usize>, ApiError> {
+        let bad = |p: &'static str, m: String| ApiError::bad_request(m).param(p);
+        let count = |p: &'static str, v: &Value| match v.as_u64() {
+            Some(k) if k as usize <= MAX_TOP_LOGPROBS => Ok(k as usize),
+            _ => Err(bad(
+                p,
+                format!("{p} must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {v}"),
+            )),
+        };
+        match form {
+            LogprobsForm::Chat => {
+                let on = match set(&self.logprobs) {
+                    None => false,
+                    Some(Value::Bool(b)) => *b,
+                    Some(v) => {
+                        return Err(bad(
+                            "logprobs",
+                            format!("logprobs must be a boolean, got {v}"),
+                        ))
+                    }
+                };
+                let top = set(&self.top_logprobs)
+                    .map(|v| count("top_logprobs", v))
+                    .transpose()?;
+                match (on, top) {
+                    (false, Some(_)) => Err(bad(
+                        "top_logprobs",
+                        "top_logprobs needs logprobs: true".to_string(),
+                    )),
+                    (false, None) => Ok(None),
+                    (true, top) => Ok(Some(top.unwrap_or(0))),
+                }
+            }
+            LogprobsForm::Completion => {
+                if set(&self.top_logprobs).is_some() {
+                    return Err(bad(
+                        "top_logprobs",
+                        "completions take logprobs: N (top_logprobs is chat's)".to_string(),
+                    ));
+                }
+                set(&self.logprobs)
+                    .map(|v| count("logprobs", v))
+                    .transpose()
+            }
+            LogprobsForm::Refused => {
+                if truthy(&self.logprobs) || truthy(&self.top_logprobs) {
+                    return Err(bad(
+                        "logprobs",
+                        "logprobs are given by /v1/chat/completions and /v1/completions".into(),
+                    ));
+                }
+                Ok(None)
+            }
+        }
+    }
+
+    /// `logit_bias`: token id (a string key, as JSON objects have) → a value in [-100, 100].
+    /// Ids are checked against the vocabulary once the model is known (`Spec::new`).
+    fn logit_bias(&self) -> Result<Vec<(u32, f32)>, ApiError> {
+        let bad = |m: String| Err(ApiError::bad_request(m).param("logit_bias"));
+        let map = match &self.logit_bias {
+            None | Some(Value::Null) => return Ok(Vec::new()),
+            Some(Value::Object(m)) => m,
+            Some(v) => {
+                return bad(format!(
+                    "logit_bias must be an object of token id → bias, got {v}"
+                ))
+            }
+        };
+        if map.len() > MAX_LOGIT_BIAS {
+            return bad(format!("at most {MAX_LOGIT_BIAS} logit_bias entries"));
+        }
+        let mut out = Vec::with_capacity(map.len());
+        for (k, v) in map {
+            let Ok(id) = k.trim().parse::<u32>() else {
+                return bad(format!("logit_bias keys must be token ids, got '{k}'"));
+            };
+            match v.as_f64() {
+                Some(b) if (-100.0..=100.0).contains(&b) => out.push((id, b as f32)),
+                _ => {
+                    return bad(format!(
+                        "logit_bias values must be numbers in [-100, 100], got {v}"
+                    ))
+                }
+            }
+        }
+        out.sort_unstable_by_key(|e| e.0);
+        Ok(out)
     }
 
     pub fn sampling(&self) -> Result<SamplingParams, ApiError> {
@@ -118,6 +237,7 @@ impl Params {
             seed: self.seed.map(|s| s as u64),
             presence_penalty: self.presence_penalty.unwrap_or(0.0),
             frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            logit_bias: self.logit_bias()?,
         };
         s.validate().map_err(ApiError::bad_request)?;
         Ok(s)
@@ -297,11 +417,92 @@ mod tests {
                 String::from_utf8_lossy(bad)
             );
         }
-        let p: CompletionRequest = parse(br#"{"prompt":"x","logprobs":2}"#).unwrap();
-        assert!(p.params.check_supported().is_err());
         let p: CompletionRequest = parse(br#"{"prompt":"x","logprobs":null,"n":1}"#).unwrap();
         assert!(p.params.check_supported().is_ok());
+        let p: CompletionRequest = parse(br#"{"prompt":"x","n":3}"#).unwrap();
+        assert_eq!(p.params.choices().ok(), Some(3));
+        for bad in [r#"{"prompt":"x","n":0}"#, r#"{"prompt":"x","n":17}"#] {
+            let p: CompletionRequest = parse(bad.as_bytes()).unwrap();
+            assert!(p.params.choices().is_err(), "{bad}");
+        }
+        let p: CompletionRequest = parse(br#"{"prompt":"x","best_of":2}"#).unwrap();
+        assert!(p.params.check_supported().is_err());
         let p: CompletionRequest = parse(br#"{"prompt":"x","temperature":1e300}"#).unwrap();
         assert!(p.params.sampling().is_err());
+    }
+
+    #[test]
+    fn logprobs_in_each_apis_form() {
+        use LogprobsForm::*;
+        let lp = |body: &str, form| {
+            parse::<CompletionRequest>(body.as_bytes())
+                .unwrap()
+                .params
+                .logprobs(form)
+                .map_err(|e| e.status.as_u16())
+        };
+        assert_eq!(lp(r#"{"prompt":"x"}"#, Chat), Ok(None));
+        assert_eq!(lp(r#"{"prompt":"x","logprobs":true}"#, Chat), Ok(Some(0)));
+        assert_eq!(
+            lp(r#"{"prompt":"x","logprobs":true,"top_logprobs":5}"#, Chat),
+            Ok(Some(5))
+        );
+        assert_eq!(lp(r#"{"prompt":"x","logprobs":false}"#, Chat), Ok(None));
+        for bad in [
+            r#"{"prompt":"x","top_logprobs":5}"#,
+            r#"{"prompt":"x","logprobs":true,"top_logprobs":21}"#,
+            r#"{"prompt":"x","logprobs":true,"top_logprobs":-1}"#,
+            r#"{"prompt":"x","logprobs":3}"#,
+        ] {
+            assert_eq!(lp(bad, Chat), Err(400), "{bad}");
+        }
+        assert_eq!(
+            lp(r#"{"prompt":"x","logprobs":3}"#, Completion),
+            Ok(Some(3))
+        );
+        assert_eq!(
+            lp(r#"{"prompt":"x","logprobs":0}"#, Completion),
+            Ok(Some(0))
+        );
+        assert_eq!(
+            lp(r#"{"prompt":"x","logprobs":null}"#, Completion),
+            Ok(None)
+        );
+        for bad in [
+            r#"{"prompt":"x","logprobs":true}"#,
+            r#"{"prompt":"x","logprobs":2.5}"#,
+            r#"{"prompt":"x","logprobs":99}"#,
+            r#"{"prompt":"x","logprobs":1,"top_logprobs":1}"#,
+        ] {
+            assert_eq!(lp(bad, Completion), Err(400), "{bad}");
+        }
+        assert_eq!(lp(r#"{"prompt":"x","logprobs":2}"#, Refused), Err(400));
+        assert_eq!(lp(r#"{"prompt":"x","logprobs":false}"#, Refused), Ok(None));
+    }
+
+    #[test]
+    fn logit_bias_parses_and_refuses() {
+        let bias = |body: &str| {
+            parse::<CompletionRequest>(body.as_bytes())
+                .unwrap()
+                .params
+                .sampling()
+                .map(|s| s.logit_bias)
+                .map_err(|e| e.status.as_u16())
+        };
+        assert_eq!(
+            bias(r#"{"prompt":"x","logit_bias":{"50":-100,"7":2.5}}"#),
+            Ok(vec![(7, 2.5), (50, -100.0)])
+        );
+        assert_eq!(bias(r#"{"prompt":"x","logit_bias":null}"#), Ok(vec![]));
+        for bad in [
+            r#"{"prompt":"x","logit_bias":{"a":1}}"#,
+            r#"{"prompt":"x","logit_bias":{"-3":1}}"#,
+            r#"{"prompt":"x","logit_bias":{"3":101}}"#,
+            r#"{"prompt":"x","logit_bias":{"3":"1"}}"#,
+            r#"{"prompt":"x","logit_bias":[1,2]}"#,
+        ] {
+            assert_eq!(bias(bad), Err(400), "{bad}");
+        }
     }
 }

@@ -19,6 +19,7 @@ pub mod api;
 mod backend;
 pub mod error;
 mod listener;
+pub mod logprobs;
 pub mod metrics;
 pub mod routes;
 pub mod run;
@@ -153,6 +154,7 @@ fn load_worker(o: &ServeOptions) -> Result<(Worker, ColdStart, Option<LoadDone>)
                 sampling: SamplingParams::default(),
                 stop_ids: vec![],
                 ignore_eos: true,
+                logprobs: None,
             })
             .collect();
         if let crate::engine::Event::Error(e) = end {

@@ -13,15 +13,17 @@ use axum::http::{header, HeaderMap, HeaderValue, StatusCode, Uri};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use futures_util::stream::{self, Stream};
+use futures_util::stream::{self, Stream, StreamExt};
 use serde_json::{json, Value};
 
 use super::api::{
-    chat_messages, parse, ChatRequest, CompletionRequest, InvokeRequest, Message, Params, Prompt,
+    chat_messages, parse, ChatRequest, CompletionRequest, InvokeRequest, LogprobsForm, Message,
+    Params, Prompt,
 };
 use super::error::ApiError;
+use super::logprobs::{chat_json, completion_json, Entry};
 use super::metrics::METRICS;
-use super::run::{Out, Run, Spec, Usage};
+use super::run::{Asked, Out, Run, Spec, Usage};
 use super::state::{App, State as Life};
 use crate::chat::render_chat;
 use crate::generate::FinishReason;
@@ -92,14 +94,19 @@ enum Input {
     Prompt(Prompt),
 }
 
-/// Checks, admits and starts one generation; also returns how long it waited for a load.
+/// Checks, admits and starts a request's generations (`n` of them, one admission slot and one
+/// engine request each, sharing the prompt through the prefix cache); also returns how long it
+/// waited for a load.
 async fn start(
     app: &Arc<App>,
     arrival: Instant,
     input: Input,
     p: &Params,
-) -> Result<(Run, Option<f64>), ApiError> {
+    form: LogprobsForm,
+) -> Result<(Vec<Run>, Option<f64>), ApiError> {
     p.check_supported()?;
+    let logprobs = p.logprobs(form)?;
+    let n = p.choices()?;
     if let Some(m) = &p.model {
         if m != &app.served_name && m != &app.opts.model_arg {
             return Err(ApiError::model_not_found(m, &app.served_name));
@@ -107,7 +114,7 @@ async fn start(
     }
     let sampling = p.sampling()?;
     let stop = p.stops()?;
-    let slot = app.admit()?;
+    let slots = (0..n).map(|_| app.admit()).collect::<Result<Vec<_>, _>>()?;
     let (w, waited) = app.worker().await?;
     let wt = w.clone();
     // Rendering and tokenizing a long prompt is CPU work: keep it off the async workers.
@@ -135,15 +142,25 @@ async fn start(
     })
     .await
     .map_err(|e| ApiError::internal(format!("tokenizer task: {e}")))??;
-    let spec = Spec::new(
-        &w,
-        prompt,
-        p.max_new_tokens(),
+    let asked = Asked {
+        max_tokens: p.max_new_tokens(),
         sampling,
         stop,
-        p.ignore_eos.unwrap_or(false),
-    )?;
-    Ok((Run::start(w, spec, arrival, slot), waited))
+        ignore_eos: p.ignore_eos.unwrap_or(false),
+        logprobs,
+    };
+    let spec = Spec::new(&w, prompt, asked)?;
+    let runs = slots
+        .into_iter()
+        .enumerate()
+        .map(|(i, slot)| {
+            let mut spec = spec.clone();
+            // Seeded choices differ from each other and are each reproducible.
+            spec.sampling.seed = spec.sampling.seed.map(|s| s.wrapping_add(i as u64));
+            Run::start(w.clone(), spec, arrival, slot)
+        })
+        .collect();
+    Ok((runs, waited))
 }
 
 /// Headers that tell a client its request waited for a cold start (and how long).
@@ -165,13 +182,31 @@ fn cold_headers(resp: &mut Response, run_queue_s: Option<f64>, waited: Option<f6
     }
 }
 
-/// Drives a run to its end: the whole text, the reason and usage.
-async fn run_to_end(run: &mut Run) -> Result<(String, FinishReason, Usage), ApiError> {
-    let mut text = String::new();
+/// A run's whole output.
+struct Whole {
+    text: String,
+    logprobs: Vec<Entry>,
+    reason: FinishReason,
+    usage: Usage,
+}
+
+/// Drives a run to its end.
+async fn run_to_end(run: &mut Run) -> Result<Whole, ApiError> {
+    let (mut text, mut logprobs) = (String::new(), Vec::new());
     while let Some(o) = run.next().await {
         match o {
-            Out::Text(t) => text.push_str(&t),
-            Out::Done(r, u) => return Ok((text, r, u)),
+            Out::Text(t, lp) => {
+                text.push_str(&t);
+                logprobs.extend(lp);
+            }
+            Out::Done(reason, usage) => {
+                return Ok(Whole {
+                    text,
+                    logprobs,
+                    reason,
+                    usage,
+                })
+            }
             Out::Error(e) => return Err(ApiError::internal(e)),
         }
     }
@@ -190,6 +225,11 @@ struct Chunker {
     id: String,
     created: u64,
     model: String,
+    /// Whether the request asked for log probabilities (`null` otherwise).
+    logprobs: bool,
+    /// Characters of each choice's completion text so far (the completions form's
+    /// `text_offset`).
+    offsets: Vec<usize>,
 }
 
 impl Chunker {
@@ -200,7 +240,29 @@ impl Chunker {
         }
     }
 
-    fn chunk(&self, text: Option<&str>, finish: Option<&str>, role: bool) -> SseEvent {
+    /// `logprobs` as this API writes them (`null` when not asked for).
+    fn logprobs(&mut self, index: usize, entries: &[Entry]) -> Value {
+        match (self.logprobs, self.kind) {
+            (false, _) => Value::Null,
+            (true, Kind::Chat) => chat_json(entries),
+            (true, Kind::Completion) => completion_json(entries, &mut self.offsets[index]),
+        }
+    }
+
+    fn chunk(
+        &mut self,
+        index: usize,
+        text: Option<&str>,
+        finish: Option<&str>,
+        role: bool,
+        entries: &[Entry],
+    ) -> SseEvent {
+        // Chunks without tokens (the role, the finish) carry no log probabilities.
+        let lp = if entries.is_empty() {
+            Value::Null
+        } else {
+            self.logprobs(index, entries)
+        };
         let choice = match self.kind {
             Kind::Chat => {
                 let mut delta = json!({});
@@ -210,10 +272,10 @@ impl Chunker {
                 if let Some(t) = text {
                     delta["content"] = json!(t);
                 }
-                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+                json!({"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish})
             }
             Kind::Completion => {
-                json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish})
+                json!({"index": index, "text": text.unwrap_or(""), "logprobs": lp, "finish_reason": finish})
             }
         };
         self.event(json!([choice]), None)
@@ -233,23 +295,39 @@ impl Chunker {
     }
 }
 
+/// A request's choices as one stream of (choice index, output), in whatever order they come.
+type Outputs = stream::SelectAll<std::pin::Pin<Box<dyn Stream<Item = (usize, Out)> + Send>>>;
+
+fn outputs(runs: Vec<Run>) -> Outputs {
+    stream::select_all(runs.into_iter().enumerate().map(|(i, run)| {
+        let s = stream::unfold(run, move |mut run| async move {
+            run.next().await.map(|o| ((i, o), run))
+        });
+        Box::pin(s) as std::pin::Pin<Box<dyn Stream<Item = (usize, Out)> + Send>>
+    }))
+}
+
 struct StreamState {
-    run: Run,
+    outputs: Outputs,
     queue: std::collections::VecDeque<SseEvent>,
     done: bool,
     chunker: Chunker,
     include_usage: bool,
+    /// Choices still generating, and the usage of those that finished.
+    open: usize,
+    usage: Usage,
 }
 
 /// An SSE stream of OpenAI chunks ending with `data: [DONE]`. Dropping it (the client went
-/// away) drops the run, which cancels the request in the engine and frees its KV blocks.
+/// away) drops the runs, which cancels their requests in the engine and frees their KV blocks.
 fn sse(
-    run: Run,
+    runs: Vec<Run>,
     kind: Kind,
     model: String,
     include_usage: bool,
+    logprobs: bool,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
-    let chunker = Chunker {
+    let mut chunker = Chunker {
         kind,
         id: request_id(if kind == Kind::Chat {
             "chatcmpl"
@@ -258,17 +336,23 @@ fn sse(
         }),
         created: unix_now(),
         model,
+        logprobs,
+        offsets: vec![0; runs.len()],
     };
     let mut queue = std::collections::VecDeque::new();
     if kind == Kind::Chat {
-        queue.push_back(chunker.chunk(Some(""), None, true));
+        for i in 0..runs.len() {
+            queue.push_back(chunker.chunk(i, Some(""), None, true, &[]));
+        }
     }
     let st = StreamState {
-        run,
+        open: runs.len(),
+        outputs: outputs(runs),
         queue,
         done: false,
         chunker,
         include_usage,
+        usage: Usage::default(),
     };
     Sse::new(stream::unfold(st, |mut st| async move {
         loop {
@@ -278,19 +362,26 @@ fn sse(
             if st.done {
                 return None;
             }
-            match st.run.next().await {
-                Some(Out::Text(t)) => st.queue.push_back(st.chunker.chunk(Some(&t), None, false)),
-                Some(Out::Done(r, u)) => {
-                    let c = st.chunker.chunk(None, Some(finish_str(r)), false);
-                    st.queue.push_back(c);
-                    if st.include_usage {
-                        let c = st.chunker.usage(&u);
-                        st.queue.push_back(c);
-                    }
-                    st.queue.push_back(SseEvent::default().data("[DONE]"));
-                    st.done = true;
+            match st.outputs.next().await {
+                Some((i, Out::Text(t, lp))) => {
+                    let c = st.chunker.chunk(i, Some(&t), None, false, &lp);
+                    st.queue.push_back(c)
                 }
-                Some(Out::Error(e)) => {
+                Some((i, Out::Done(r, u))) => {
+                    let c = st.chunker.chunk(i, None, Some(finish_str(r)), false, &[]);
+                    st.queue.push_back(c);
+                    st.usage = st.usage.add_choice(&u);
+                    st.open -= 1;
+                    if st.open == 0 {
+                        if st.include_usage {
+                            let c = st.chunker.usage(&st.usage);
+                            st.queue.push_back(c);
+                        }
+                        st.queue.push_back(SseEvent::default().data("[DONE]"));
+                        st.done = true;
+                    }
+                }
+                Some((_, Out::Error(e))) => {
                     let body = ApiError::internal(e).body().to_string();
                     st.queue.push_back(SseEvent::default().data(body));
                     st.queue.push_back(SseEvent::default().data("[DONE]"));
@@ -310,34 +401,50 @@ async fn openai(
     input: Input,
     p: &Params,
 ) -> Result<Response, ApiError> {
-    let (mut run, waited) = start(app, arrival, input, p).await?;
+    let form = match kind {
+        Kind::Chat => LogprobsForm::Chat,
+        Kind::Completion => LogprobsForm::Completion,
+    };
+    let (mut runs, waited) = start(app, arrival, input, p, form).await?;
     let model = app.served_name.clone();
+    let want_lp = p.logprobs(form)?.is_some();
     if p.stream() {
-        let mut r = sse(run, kind, model, p.include_usage()).into_response();
+        let mut r = sse(runs, kind, model, p.include_usage(), want_lp).into_response();
         cold_headers(&mut r, None, waited);
         return Ok(r);
     }
-    let (text, reason, usage) = run_to_end(&mut run).await?;
-    let (id, object, choice) = match kind {
-        Kind::Chat => (
-            request_id("chatcmpl"),
-            "chat.completion",
-            json!({"index": 0, "message": {"role": "assistant", "content": text},
-                   "logprobs": null, "finish_reason": finish_str(reason)}),
-        ),
-        Kind::Completion => (
-            request_id("cmpl"),
-            "text_completion",
-            json!({"index": 0, "text": text, "logprobs": null,
+    let wholes = futures_util::future::join_all(runs.iter_mut().map(run_to_end)).await;
+    let mut usage = Usage::default();
+    let mut choices = Vec::with_capacity(wholes.len());
+    for (index, w) in wholes.into_iter().enumerate() {
+        let Whole {
+            text,
+            logprobs,
+            reason,
+            usage: u,
+        } = w?;
+        usage = usage.add_choice(&u);
+        choices.push(match kind {
+            Kind::Chat => {
+                json!({"index": index, "message": {"role": "assistant", "content": text},
+                       "logprobs": if want_lp { chat_json(&logprobs) } else { Value::Null },
+                       "finish_reason": finish_str(reason)})
+            }
+            Kind::Completion => json!({"index": index, "text": text,
+                   "logprobs": if want_lp { completion_json(&logprobs, &mut 0) } else { Value::Null },
                    "finish_reason": finish_str(reason)}),
-        ),
+        });
+    }
+    let (id, object) = match kind {
+        Kind::Chat => (request_id("chatcmpl"), "chat.completion"),
+        Kind::Completion => (request_id("cmpl"), "text_completion"),
     };
     let mut r = Json(json!({
         "id": id, "object": object, "created": unix_now(), "model": model,
-        "choices": [choice], "usage": usage.json(),
+        "choices": choices, "usage": usage.json(),
     }))
     .into_response();
-    cold_headers(&mut r, run.queue_s, waited);
+    cold_headers(&mut r, runs[0].queue_s, waited);
     Ok(r)
 }
 
@@ -393,8 +500,21 @@ pub async fn invoke(State(app): AppState, headers: HeaderMap, body: Body) -> Res
                 ))
             }
         };
-        let (mut run, waited) = start(&app, arrival, input, &req.params).await?;
-        let (text, reason, usage) = run_to_end(&mut run).await?;
+        if req.params.choices()? != 1 {
+            return Err(ApiError::bad_request(
+                "/invoke answers with one text; use /v1/chat/completions for n > 1",
+            )
+            .param("n"));
+        }
+        let (mut runs, waited) =
+            start(&app, arrival, input, &req.params, LogprobsForm::Refused).await?;
+        let mut run = runs.swap_remove(0);
+        let Whole {
+            text,
+            reason,
+            usage,
+            ..
+        } = run_to_end(&mut run).await?;
         let ms = |s: f64| (s * 1e4).round() / 10.0;
         let ttft = run.first.map(|t| ms((t - run.arrival).as_secs_f64()));
         let queue_ms = ms(run.queue_s.unwrap_or(0.0));

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::error::ApiError;
+use super::logprobs::Entry;
 use super::metrics::METRICS;
 use super::state::{Admission, Worker};
 use crate::engine::{Event, EventStream, Request};
@@ -15,24 +16,36 @@ use crate::sampling::SamplingParams;
 use crate::textstream::{Delta, TextStream};
 
 /// A checked generation request.
+#[derive(Clone)]
 pub struct Spec {
     pub prompt: Vec<u32>,
     pub max_tokens: usize,
     pub sampling: SamplingParams,
     pub stop: Vec<String>,
     pub ignore_eos: bool,
+    /// Alternatives per token to report log probabilities for (`None`: none).
+    pub logprobs: Option<usize>,
+}
+
+/// What a request asks for besides its prompt (parsed from the body, checked by [`Spec::new`]).
+pub struct Asked {
+    pub max_tokens: Option<u64>,
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+    pub logprobs: Option<usize>,
 }
 
 impl Spec {
-    /// Checks `prompt` and the limit against the model's context and the KV store.
-    pub fn new(
-        w: &Worker,
-        prompt: Vec<u32>,
-        max_tokens: Option<u64>,
-        sampling: SamplingParams,
-        stop: Vec<String>,
-        ignore_eos: bool,
-    ) -> Result<Spec, ApiError> {
+    /// Checks `prompt`, biased ids and the limit against the model's vocabulary and context.
+    pub fn new(w: &Worker, prompt: Vec<u32>, asked: Asked) -> Result<Spec, ApiError> {
+        let Asked {
+            max_tokens,
+            sampling,
+            stop,
+            ignore_eos,
+            logprobs,
+        } = asked;
         if prompt.is_empty() {
             return Err(ApiError::bad_request("the prompt is empty").param("prompt"));
         }
@@ -42,6 +55,16 @@ impl Spec {
                 "token id {t} is outside the vocabulary ({vocab})"
             ))
             .param("prompt"));
+        }
+        if let Some((t, _)) = sampling
+            .logit_bias
+            .iter()
+            .find(|&&(t, _)| t as usize >= vocab)
+        {
+            return Err(ApiError::bad_request(format!(
+                "logit_bias names token {t}, outside the vocabulary ({vocab})"
+            ))
+            .param("logit_bias"));
         }
         let limit = w.max_seq;
         if prompt.len() >= limit {
@@ -71,6 +94,7 @@ impl Spec {
             sampling,
             stop,
             ignore_eos,
+            logprobs,
         })
     }
 }
@@ -83,6 +107,16 @@ pub struct Usage {
 }
 
 impl Usage {
+    /// The usage of a request with one more choice `c`: the prompt counts once (the choices
+    /// share it), completions add up.
+    pub fn add_choice(&self, c: &Usage) -> Usage {
+        Usage {
+            prompt_tokens: c.prompt_tokens,
+            completion_tokens: self.completion_tokens + c.completion_tokens,
+            cached_tokens: self.cached_tokens.max(c.cached_tokens),
+        }
+    }
+
     pub fn json(&self) -> serde_json::Value {
         serde_json::json!({
             "prompt_tokens": self.prompt_tokens,
@@ -94,8 +128,9 @@ impl Usage {
 }
 
 pub enum Out {
-    /// Visible text (never empty).
-    Text(String),
+    /// Visible text, and the log probabilities of the tokens it completes when asked for
+    /// (text is empty only when it carries the last tokens' log probabilities).
+    Text(String, Vec<Entry>),
     Done(FinishReason, Usage),
     Error(String),
 }
@@ -111,6 +146,8 @@ pub struct Run {
     tokens: usize,
     pub queue_s: Option<f64>,
     pending: VecDeque<Out>,
+    /// Log probabilities of tokens whose text is not out yet (held back or incomplete).
+    logprobs: Vec<Entry>,
     /// No more engine events will be read.
     ended: bool,
     /// The outcome is in the metrics.
@@ -127,6 +164,7 @@ impl Run {
             sampling: spec.sampling,
             stop_ids: worker.eos.clone(),
             ignore_eos: spec.ignore_eos,
+            logprobs: spec.logprobs,
         });
         Run {
             worker,
@@ -139,6 +177,7 @@ impl Run {
             tokens: 0,
             queue_s: None,
             pending: VecDeque::new(),
+            logprobs: Vec::new(),
             ended: false,
             recorded: false,
             slot,
@@ -185,7 +224,7 @@ impl Run {
                 None => None,
             };
             match ev {
-                Some(Event::Token(id)) => {
+                Some(Event::Token { id, logprobs }) => {
                     let now = Instant::now();
                     match self.last {
                         None => {
@@ -198,16 +237,17 @@ impl Run {
                     self.last = Some(now);
                     self.tokens += 1;
                     METRICS.generation_tokens.inc();
+                    if let Some(lp) = logprobs {
+                        self.logprobs.push(Entry::new(&self.worker.tok, id, &lp));
+                    }
                     match self.text.push(&self.worker.tok, id) {
                         Ok(Delta::Text(t)) => {
                             if !t.is_empty() {
-                                self.pending.push_back(Out::Text(t));
+                                self.emit(t);
                             }
                         }
                         Ok(Delta::Stop(t)) => {
-                            if !t.is_empty() {
-                                self.pending.push_back(Out::Text(t));
-                            }
+                            self.emit(t);
                             let done = self.finish(FinishReason::Stop, 0);
                             self.pending.push_back(done);
                         }
@@ -222,15 +262,21 @@ impl Run {
                 }) => {
                     self.queue_s = Some(queue_s);
                     let tail = self.text.finish();
-                    if !tail.is_empty() {
-                        self.pending.push_back(Out::Text(tail));
-                    }
+                    self.emit(tail);
                     let done = self.finish(reason, cached_tokens);
                     self.pending.push_back(done);
                 }
                 Some(Event::Error(e)) => self.fail(e),
                 None => self.fail("the engine stopped".into()),
             }
+        }
+    }
+
+    /// Queues `text` with the log probabilities gathered so far (nothing if both are empty).
+    fn emit(&mut self, text: String) {
+        if !text.is_empty() || !self.logprobs.is_empty() {
+            let lp = std::mem::take(&mut self.logprobs);
+            self.pending.push_back(Out::Text(text, lp));
         }
     }
 
