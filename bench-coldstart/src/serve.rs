@@ -183,6 +183,7 @@ impl InProcess {
             stop_ids: vec![],
             ignore_eos: true,
             logprobs: None,
+            min_tokens: 0,
         });
         let mut o = Outcome::default();
         while let Some(e) = s.recv() {

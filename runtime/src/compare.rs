@@ -116,6 +116,7 @@ pub fn engine_outputs<M: StepModel>(m: Arc<M>) -> Result<Vec<Vec<u32>>, RuntimeE
                 stop_ids: vec![],
                 ignore_eos: true,
                 logprobs: None,
+                min_tokens: 0,
             })
         })
         .collect();

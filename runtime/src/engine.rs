@@ -62,6 +62,8 @@ pub struct Request {
     /// Ids that end the sequence (EOS); ignored with `ignore_eos`.
     pub stop_ids: Vec<u32>,
     pub ignore_eos: bool,
+    /// The stop ids cannot be sampled before this many tokens are out (vLLM's `min_tokens`).
+    pub min_tokens: usize,
     /// Report each generated token's log probability and this many likeliest alternatives
     /// (see [`crate::sampling::logprobs`]); `None`: no log probabilities. Such a request's
     /// steps take the logits path, never the model's on-device argmax.
@@ -373,6 +375,11 @@ impl<M: StepModel> Scheduler<M> {
             return;
         }
         self.next_arrival += 1;
+        let mut sampler = Sampler::new(req.sampling.clone());
+        sampler.observe_prompt(&req.prompt);
+        if req.min_tokens > 0 && !req.ignore_eos {
+            sampler.set_banned(&req.stop_ids);
+        }
         self.waiting.push_back(Seq {
             tokens: req.prompt.clone(),
             prompt_len: req.prompt.len(),
@@ -381,7 +388,7 @@ impl<M: StepModel> Scheduler<M> {
             registered: 0,
             last_hash: 0,
             cached: 0,
-            sampler: Sampler::new(req.sampling.clone()),
+            sampler,
             req,
             events,
             cancelled,
@@ -545,6 +552,9 @@ impl<M: StepModel> Scheduler<M> {
                 }
             };
             s.sampler.observe(id);
+            if s.generated() + 1 == s.req.min_tokens {
+                s.sampler.set_banned(&[]); // this token is the last one that had to come
+            }
             let stop = !s.req.ignore_eos && s.req.stop_ids.contains(&id);
             let mut alive = true;
             if !stop {

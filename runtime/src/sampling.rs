@@ -1,4 +1,6 @@
-//! Choosing the next token from logits: greedy, or temperature → top-k → top-p with a seeded RNG.
+//! Choosing the next token from logits: greedy, or temperature → top-k → min-p → top-p with a
+//! seeded RNG, after logit bias, repetition / presence / frequency penalties and bans (a
+//! request's stop ids before its `min_tokens`).
 //!
 //! Presence and frequency penalties follow OpenAI's definition: each logit is lowered by
 //! `frequency_penalty × count + presence_penalty × (count > 0)`, counting the tokens this
@@ -27,6 +29,12 @@ pub struct SamplingParams {
     pub frequency_penalty: f32,
     /// (token id, value in [-100, 100]) added to the logits before sampling.
     pub logit_bias: Vec<(u32, f32)>,
+    /// In [0, 1]: tokens less likely than `min_p` × the likeliest one's probability are cut
+    /// (after temperature); 0 means none.
+    pub min_p: f32,
+    /// In (0, 10]: logits of tokens in the prompt or the output so far are divided by it when
+    /// positive, multiplied when negative (vLLM's / Hugging Face's); 1 means none.
+    pub repetition_penalty: f32,
 }
 
 impl Default for SamplingParams {
@@ -39,6 +47,8 @@ impl Default for SamplingParams {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             logit_bias: Vec::new(),
+            min_p: 0.0,
+            repetition_penalty: 1.0,
         }
     }
 }
@@ -62,6 +72,15 @@ impl SamplingParams {
                 return Err(format!("{name} must be in [-2, 2], got {v}"));
             }
         }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(format!("min_p must be in [0, 1], got {}", self.min_p));
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty <= 10.0) {
+            return Err(format!(
+                "repetition_penalty must be in (0, 10], got {}",
+                self.repetition_penalty
+            ));
+        }
         if let Some((id, v)) = self
             .logit_bias
             .iter()
@@ -80,6 +99,10 @@ pub struct Sampler {
     state: u64,
     /// How often each generated token occurred (only kept when a penalty is set).
     counts: std::collections::HashMap<u32, u32>,
+    /// Tokens of the prompt and the output (only kept for the repetition penalty).
+    seen: std::collections::HashSet<u32>,
+    /// Ids that may not come next (the stop ids while `min_tokens` is not reached).
+    banned: Vec<u32>,
     scratch: Vec<f32>,
 }
 
@@ -96,18 +119,32 @@ impl Sampler {
             params,
             state: seed,
             counts: Default::default(),
+            seen: Default::default(),
+            banned: Vec::new(),
             scratch: Vec::new(),
         }
     }
 
-    /// Whether [`Sampler::sample`] is a plain argmax (temperature 0, no penalties, no bias):
-    /// then the model may pick the id itself ([`crate::StepModel::forward_batch_greedy`]).
+    /// Whether [`Sampler::sample`] is a plain argmax (temperature 0, nothing that changes the
+    /// logits): then the model may pick the id itself
+    /// ([`crate::StepModel::forward_batch_greedy`]).
     pub fn is_greedy(&self) -> bool {
-        self.params.temperature <= 0.0 && !self.penalized() && self.params.logit_bias.is_empty()
+        self.params.temperature <= 0.0
+            && !self.penalized()
+            && self.params.repetition_penalty == 1.0
+            && self.params.logit_bias.is_empty()
+            && self.banned.is_empty()
     }
 
     fn penalized(&self) -> bool {
         self.params.presence_penalty != 0.0 || self.params.frequency_penalty != 0.0
+    }
+
+    /// Records the prompt (the repetition penalty counts its tokens as seen).
+    pub fn observe_prompt(&mut self, prompt: &[u32]) {
+        if self.params.repetition_penalty != 1.0 {
+            self.seen.extend(prompt);
+        }
     }
 
     /// Records a generated token (for the penalties).
@@ -115,11 +152,24 @@ impl Sampler {
         if self.penalized() {
             *self.counts.entry(id).or_insert(0) += 1;
         }
+        if self.params.repetition_penalty != 1.0 {
+            self.seen.insert(id);
+        }
     }
 
-    /// Picks the next token from `logits`, after applying the bias and the penalties.
+    /// Ids that may not be sampled until the next call (empty: none).
+    pub fn set_banned(&mut self, ids: &[u32]) {
+        self.banned.clear();
+        self.banned.extend_from_slice(ids);
+    }
+
+    /// Picks the next token from `logits`, after the bias, the penalties and the bans.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        if self.params.logit_bias.is_empty() && (!self.penalized() || self.counts.is_empty()) {
+        let adjusted = !self.params.logit_bias.is_empty()
+            || (self.penalized() && !self.counts.is_empty())
+            || !self.seen.is_empty()
+            || !self.banned.is_empty();
+        if !adjusted {
             return self.pick(logits);
         }
         let mut l = std::mem::take(&mut self.scratch);
@@ -130,9 +180,22 @@ impl Sampler {
                 *v += b;
             }
         }
+        // The CTRL / Hugging Face repetition penalty: seen tokens' logits shrink toward zero
+        // from above and grow away from it below, so either sign becomes less likely.
+        let rp = self.params.repetition_penalty;
+        for &id in &self.seen {
+            if let Some(v) = l.get_mut(id as usize) {
+                *v = if *v > 0.0 { *v / rp } else { *v * rp };
+            }
+        }
         for (&id, &n) in &self.counts {
             if let Some(v) = l.get_mut(id as usize) {
                 *v -= self.params.frequency_penalty * n as f32 + self.params.presence_penalty;
+            }
+        }
+        for &id in &self.banned {
+            if let Some(v) = l.get_mut(id as usize) {
+                *v = f32::NEG_INFINITY;
             }
         }
         let id = self.pick(&l);
@@ -177,9 +240,14 @@ impl Sampler {
         let z: f64 = probs.iter().sum();
         probs.iter_mut().for_each(|p| *p /= z);
         let mut keep = probs.len();
+        if self.params.min_p > 0.0 {
+            // min-p: only tokens at least min_p times as likely as the likeliest.
+            let floor = self.params.min_p as f64 * probs[0];
+            keep = probs.iter().take_while(|&&p| p >= floor).count().max(1);
+        }
         if self.params.top_p < 1.0 {
             let mut acc = 0.0;
-            for (i, p) in probs.iter().enumerate() {
+            for (i, p) in probs[..keep].iter().enumerate() {
                 acc += p;
                 if acc >= self.params.top_p as f64 {
                     keep = i + 1;
@@ -336,6 +404,59 @@ mod tests {
         }
         .validate()
         .is_err());
+    }
+
+    #[test]
+    fn min_p_repetition_penalty_and_bans() {
+        let logits = [5.0, 4.9, 0.0, -3.0, 4.8];
+        // min_p 0.5: 0.0 and -3.0 are far below half of the likeliest's probability.
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            min_p: 0.5,
+            seed: Some(2),
+            ..Default::default()
+        });
+        let got: std::collections::BTreeSet<u32> = (0..300).map(|_| s.sample(&logits)).collect();
+        assert_eq!(got, [0, 1, 4].into_iter().collect());
+        // min_p 1: only the likeliest.
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            min_p: 1.0,
+            seed: Some(2),
+            ..Default::default()
+        });
+        assert!((0..50).all(|_| s.sample(&logits) == 0));
+        // Repetition penalty 2 on a prompt token: 5.0 → 2.5, so 4.9 wins; a negative logit
+        // grows more negative.
+        let mut s = Sampler::new(SamplingParams {
+            repetition_penalty: 2.0,
+            ..Default::default()
+        });
+        assert!(!s.is_greedy());
+        s.observe_prompt(&[0, 3]);
+        assert_eq!(s.sample(&logits), 1);
+        s.observe(1);
+        assert_eq!(s.sample(&logits), 4);
+        // Bans: the banned ids never come, until lifted.
+        let mut s = Sampler::new(SamplingParams::default());
+        s.set_banned(&[0, 1]);
+        assert!(!s.is_greedy());
+        assert_eq!(s.sample(&logits), 4);
+        s.set_banned(&[]);
+        assert!(s.is_greedy());
+        assert_eq!(s.sample(&logits), 0);
+        for bad in [
+            SamplingParams {
+                min_p: 1.5,
+                ..Default::default()
+            },
+            SamplingParams {
+                repetition_penalty: 0.0,
+                ..Default::default()
+            },
+        ] {
+            assert!(bad.validate().is_err(), "{bad:?}");
+        }
     }
 
     #[test]

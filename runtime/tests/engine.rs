@@ -34,6 +34,7 @@ fn request(prompt: Vec<u32>, max_tokens: usize, stop_ids: Vec<u32>) -> Request {
         stop_ids,
         ignore_eos: false,
         logprobs: None,
+        min_tokens: 0,
     }
 }
 
@@ -305,5 +306,44 @@ fn logit_bias_bans_a_token() {
         !ids.is_empty() && !ids.contains(&want[0]),
         "{ids:?} vs {want:?}"
     );
+    wait_idle(&e);
+}
+
+/// `min_tokens` bans the stop ids until that many tokens are out: a chat answer that ends
+/// after a few tokens goes on (the same tokens first), then may stop again.
+#[test]
+fn min_tokens_holds_off_the_stop_ids() {
+    use thaw_runtime::{render_chat, ChatMessage};
+    let (m, tok) = setup();
+    let text = render_chat(
+        tok,
+        &[ChatMessage {
+            role: "user".into(),
+            content: "What is the capital of France?".into(),
+        }],
+        true,
+    )
+    .unwrap();
+    let prompt = tok.encode(&text, true).unwrap();
+    let e = Engine::start(m.clone(), cfg(m, 64, 512)).unwrap();
+    let (short, fin) = e.submit(request(prompt.clone(), 64, eos(m, tok))).collect();
+    assert!(
+        matches!(
+            fin,
+            Event::Finished {
+                reason: FinishReason::Stop,
+                ..
+            }
+        ),
+        "{fin:?}"
+    );
+    assert!(short.len() < 20, "{short:?}");
+    let mut r = request(prompt, 64, eos(m, tok));
+    r.min_tokens = short.len() + 6;
+    let (long, _) = e.submit(r).collect();
+    assert!(long.len() >= short.len() + 6, "{long:?} vs {short:?}");
+    assert_eq!(&long[..short.len()], &short[..]);
+    let stops = eos(m, tok);
+    assert!(long.iter().all(|t| !stops.contains(t)));
     wait_idle(&e);
 }

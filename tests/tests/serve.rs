@@ -406,6 +406,34 @@ fn errors_have_their_status_and_openai_shape() {
             "invalid_request",
         ),
         (
+            "/v1/chat/completions",
+            chat(json!({"min_p": 1.5})),
+            Some("k1"),
+            400,
+            "invalid_request",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"repetition_penalty": 0})),
+            Some("k1"),
+            400,
+            "invalid_request",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"stop_token_ids": [49152]})),
+            Some("k1"),
+            400,
+            "invalid_request",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"min_tokens": 3})),
+            Some("k1"),
+            400,
+            "invalid_request",
+        ),
+        (
             "/invoke",
             chat(json!({"logprobs": true})),
             Some("k1"),
@@ -673,6 +701,25 @@ fn logprobs_choices_and_logit_bias() {
     assert_eq!(parts, t1);
     assert_eq!(finished, 3);
     assert_eq!(usage["completion_tokens"], 24);
+
+    // vLLM's stop_token_ids end the output even with ignore_eos (the id is not shown), and
+    // repetition_penalty / min_p are taken.
+    let (st, v) = post(
+        &s,
+        "/v1/completions",
+        &json!({"prompt": "The capital of France is",
+        "max_tokens": 8, "temperature": 0, "ignore_eos": true, "stop_token_ids": [id]}),
+    );
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    assert_eq!(v["choices"][0]["text"], "", "{v}");
+    let (st, v) = post(
+        &s,
+        "/v1/completions",
+        &json!({"prompt": "The capital of France is",
+        "max_tokens": 8, "temperature": 0.8, "seed": 1, "repetition_penalty": 1.3, "min_p": 0.1}),
+    );
+    assert_eq!(st, 200, "{v}");
 
     // A client that leaves an n = 3 stream frees all three sequences' blocks.
     let mut resp = client()

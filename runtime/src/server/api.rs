@@ -59,6 +59,11 @@ pub struct Params {
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
     pub ignore_eos: Option<bool>,
+    // vLLM's extensions.
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub min_tokens: Option<u64>,
+    pub stop_token_ids: Option<Vec<u32>>,
     /// Chat: a boolean; completions: how many alternatives (checked by [`Params::logprobs`]).
     pub logprobs: Option<Value>,
     pub top_logprobs: Option<Value>,
@@ -238,6 +243,8 @@ impl Params {
             presence_penalty: self.presence_penalty.unwrap_or(0.0),
             frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
             logit_bias: self.logit_bias()?,
+            min_p: self.min_p.unwrap_or(0.0),
+            repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
         };
         s.validate().map_err(ApiError::bad_request)?;
         Ok(s)
@@ -253,6 +260,16 @@ impl Params {
             return Err(ApiError::bad_request("at most 16 stop strings").param("stop"));
         }
         Ok(v.into_iter().filter(|s| !s.is_empty()).collect())
+    }
+
+    /// Token ids that end the output besides EOS (vLLM's `stop_token_ids`; ids are checked
+    /// against the vocabulary in `Spec::new`).
+    pub fn stop_token_ids(&self) -> Result<Vec<u32>, ApiError> {
+        let ids = self.stop_token_ids.clone().unwrap_or_default();
+        if ids.len() > 64 {
+            return Err(ApiError::bad_request("at most 64 stop_token_ids").param("stop_token_ids"));
+        }
+        Ok(ids)
     }
 
     pub fn max_new_tokens(&self) -> Option<u64> {

@@ -155,6 +155,7 @@ fn load_worker(o: &ServeOptions) -> Result<(Worker, ColdStart, Option<LoadDone>)
                 stop_ids: vec![],
                 ignore_eos: true,
                 logprobs: None,
+                min_tokens: 0,
             })
             .collect();
         if let crate::engine::Event::Error(e) = end {

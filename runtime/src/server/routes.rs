@@ -148,6 +148,8 @@ async fn start(
         stop,
         ignore_eos: p.ignore_eos.unwrap_or(false),
         logprobs,
+        stop_token_ids: p.stop_token_ids()?,
+        min_tokens: p.min_tokens,
     };
     let spec = Spec::new(&w, prompt, asked)?;
     let runs = slots

@@ -25,6 +25,10 @@ pub struct Spec {
     pub ignore_eos: bool,
     /// Alternatives per token to report log probabilities for (`None`: none).
     pub logprobs: Option<usize>,
+    /// Ids that end the output besides EOS (they do also with `ignore_eos`).
+    pub stop_token_ids: Vec<u32>,
+    /// EOS and the stop ids cannot come before this many tokens.
+    pub min_tokens: usize,
 }
 
 /// What a request asks for besides its prompt (parsed from the body, checked by [`Spec::new`]).
@@ -34,6 +38,8 @@ pub struct Asked {
     pub stop: Vec<String>,
     pub ignore_eos: bool,
     pub logprobs: Option<usize>,
+    pub stop_token_ids: Vec<u32>,
+    pub min_tokens: Option<u64>,
 }
 
 impl Spec {
@@ -45,6 +51,8 @@ impl Spec {
             stop,
             ignore_eos,
             logprobs,
+            stop_token_ids,
+            min_tokens,
         } = asked;
         if prompt.is_empty() {
             return Err(ApiError::bad_request("the prompt is empty").param("prompt"));
@@ -55,6 +63,12 @@ impl Spec {
                 "token id {t} is outside the vocabulary ({vocab})"
             ))
             .param("prompt"));
+        }
+        if let Some(t) = stop_token_ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ApiError::bad_request(format!(
+                "stop_token_ids names token {t}, outside the vocabulary ({vocab})"
+            ))
+            .param("stop_token_ids"));
         }
         if let Some((t, _)) = sampling
             .logit_bias
@@ -95,6 +109,16 @@ impl Spec {
             stop,
             ignore_eos,
             logprobs,
+            stop_token_ids,
+            min_tokens: match min_tokens {
+                Some(m) if m > max_tokens as u64 => {
+                    return Err(ApiError::bad_request(format!(
+                        "min_tokens ({m}) is more than max_tokens ({max_tokens})"
+                    ))
+                    .param("min_tokens"))
+                }
+                m => m.unwrap_or(0) as usize,
+            },
         })
     }
 }
@@ -158,13 +182,21 @@ pub struct Run {
 impl Run {
     pub fn start(worker: Arc<Worker>, spec: Spec, arrival: Instant, slot: Admission) -> Run {
         let prompt_tokens = spec.prompt.len();
+        // The engine's `ignore_eos` ignores all its stop ids; stop_token_ids must still stop.
+        let mut stop_ids = if spec.ignore_eos {
+            vec![]
+        } else {
+            worker.eos.clone()
+        };
+        stop_ids.extend(&spec.stop_token_ids);
         let events = worker.engine.submit(Request {
             prompt: spec.prompt,
             max_tokens: spec.max_tokens,
             sampling: spec.sampling,
-            stop_ids: worker.eos.clone(),
-            ignore_eos: spec.ignore_eos,
+            stop_ids,
+            ignore_eos: false,
             logprobs: spec.logprobs,
+            min_tokens: spec.min_tokens,
         });
         Run {
             worker,
