@@ -184,11 +184,13 @@ impl InProcess {
             ignore_eos: true,
             logprobs: None,
             min_tokens: 0,
+            prompt_logprobs: None,
         });
         let mut o = Outcome::default();
         while let Some(e) = s.recv() {
             match e {
                 Event::Token { .. } => o.chunks.push(start.elapsed().as_secs_f64()),
+                Event::PromptLogprobs(_) => {}
                 Event::Finished { .. } => break,
                 Event::Error(e) => {
                     o.error = Some(e);

@@ -30,8 +30,9 @@ pub fn prompt(vocab: usize, n: usize, salt: u64) -> Vec<u32> {
 }
 
 /// A prefill, then one batched step: a decode of that sequence plus two new prompts, each over
-/// its own scattered block table; then a decode step of two of them. Returns the prefill's
-/// logits and the two later steps' (concatenated).
+/// its own scattered block table, the first of them with logits for every row (a prompt's log
+/// probabilities); then a decode step of two of them. Returns the prefill's logits and the two
+/// later steps' (concatenated).
 pub fn steps<M: StepModel>(m: &M) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
     let vocab = m.config().vocab_size;
     let mut kv = m.new_kv(16, 64)?;
@@ -48,7 +49,7 @@ pub fn steps<M: StepModel>(m: &M) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> 
     let (q1, q2) = (prompt(vocab, 20, 2), prompt(vocab, 5, 3));
     let (t1, t2): (Vec<u32>, Vec<u32>) = (vec![63, 0], vec![17]);
     let next = [p[36]];
-    let batch = m.forward_batch(
+    let batch = m.forward_batch_rows(
         &[
             SeqChunk {
                 tokens: &next,
@@ -67,7 +68,15 @@ pub fn steps<M: StepModel>(m: &M) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> 
             },
         ],
         &mut kv,
+        &[false, true, false],
     )?;
+    if batch.len() != (1 + q1.len() + 1) * vocab {
+        return Err(RuntimeError::Config(format!(
+            "the batched step gave {} logits rows, not {}",
+            batch.len() / vocab,
+            1 + q1.len() + 1
+        )));
+    }
     // Then a decode step of two of them (rows few enough for a device's matrix-vector path),
     // its logits after the batch's.
     let (n0, n1) = ([q1[3]], [q2[1]]);
@@ -117,6 +126,7 @@ pub fn engine_outputs<M: StepModel>(m: Arc<M>) -> Result<Vec<Vec<u32>>, RuntimeE
                 ignore_eos: true,
                 logprobs: None,
                 min_tokens: 0,
+                prompt_logprobs: None,
             })
         })
         .collect();

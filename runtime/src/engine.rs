@@ -68,6 +68,10 @@ pub struct Request {
     /// (see [`crate::sampling::logprobs`]); `None`: no log probabilities. Such a request's
     /// steps take the logits path, never the model's on-device argmax.
     pub logprobs: Option<usize>,
+    /// Log probabilities of the prompt's tokens (each given the ones before it) with this many
+    /// alternatives, sent as [`Event::PromptLogprobs`] while the prompt is computed. Such a
+    /// request skips the prefix cache: a cached position has no logits.
+    pub prompt_logprobs: Option<usize>,
 }
 
 /// The most alternatives a request may ask log probabilities for (OpenAI's and vLLM's limit).
@@ -75,6 +79,9 @@ pub const MAX_TOP_LOGPROBS: usize = 20;
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
+    /// Log probabilities of prompt tokens (id, its log probability given the tokens before
+    /// it), in order from the second token on, over one or more events.
+    PromptLogprobs(Vec<(u32, TokenLogprobs)>),
     /// A generated token, with its log probabilities when the request asked for them.
     Token {
         id: u32,
@@ -143,6 +150,7 @@ impl EventStream {
         while let Some(e) = self.recv() {
             match e {
                 Event::Token { id, .. } => ids.push(id),
+                Event::PromptLogprobs(_) => {}
                 other => return (ids, other),
             }
         }
@@ -256,6 +264,9 @@ struct Seq {
     submitted: Instant,
     /// Seconds from submission to the first step that scheduled it.
     queue_s: Option<f64>,
+    /// The next prompt position whose log probability is to be sent (from 1; the first token
+    /// has none). Kept across preemption, so a recomputed prompt is not reported twice.
+    prompt_scored: usize,
 }
 
 impl Seq {
@@ -264,6 +275,13 @@ impl Seq {
     }
     fn cancelled(&self) -> bool {
         self.cancelled.load(Ordering::Relaxed)
+    }
+    /// Whether a chunk of `n` tokens from `done` needs the logits of all its rows (it holds
+    /// positions whose successors' prompt log probabilities are still to be sent).
+    fn scores_prompt(&self, n: usize) -> bool {
+        self.req.prompt_logprobs.is_some()
+            && self.prompt_scored < self.prompt_len
+            && self.done + n >= self.prompt_scored
     }
 }
 
@@ -395,6 +413,7 @@ impl<M: StepModel> Scheduler<M> {
             arrival: self.next_arrival,
             submitted,
             queue_s: None,
+            prompt_scored: 1,
         });
     }
 
@@ -459,7 +478,11 @@ impl<M: StepModel> Scheduler<M> {
             let Some(mut s) = self.waiting.pop_front() else {
                 break;
             };
-            let pm = self.blocks.match_prefix(&s.tokens, s.tokens.len() - 1);
+            let pm = if s.req.prompt_logprobs.is_some() && s.prompt_scored < s.prompt_len {
+                crate::kv::PrefixMatch::default()
+            } else {
+                self.blocks.match_prefix(&s.tokens, s.tokens.len() - 1)
+            };
             s.done = pm.tokens;
             s.registered = pm.blocks.len();
             s.last_hash = pm.last_hash;
@@ -508,15 +531,29 @@ impl<M: StepModel> Scheduler<M> {
                 table: &s.table,
             })
             .collect();
+        // Chunks whose rows all give logits (prompt log probabilities), and where each chunk's
+        // rows start in the result.
+        let all_rows: Vec<bool> = plan.iter().map(|(s, n)| s.scores_prompt(*n)).collect();
+        let mut row0 = Vec::with_capacity(plan.len());
+        let mut rows = 0;
+        for ((_, n), &all) in plan.iter().zip(&all_rows) {
+            row0.push(rows);
+            rows += if all { *n } else { 1 };
+        }
         // A step where every sequence that samples is greedy (and wants no log probabilities)
         // asks the model for ids only.
-        let greedy = plan.iter().all(|(s, n)| {
-            s.done + n < s.tokens.len() || (s.sampler.is_greedy() && s.req.logprobs.is_none())
-        });
+        let greedy = !all_rows.contains(&true)
+            && plan.iter().all(|(s, n)| {
+                s.done + n < s.tokens.len() || (s.sampler.is_greedy() && s.req.logprobs.is_none())
+            });
         let result = if greedy {
             self.model
                 .forward_batch_greedy(&chunks, &mut self.kv)
                 .map(StepOut::Ids)
+        } else if all_rows.contains(&true) {
+            self.model
+                .forward_batch_rows(&chunks, &mut self.kv, &all_rows)
+                .map(StepOut::Logits)
         } else {
             self.model
                 .forward_batch(&chunks, &mut self.kv)
@@ -537,16 +574,47 @@ impl<M: StepModel> Scheduler<M> {
             }
         };
         for (j, (mut s, n)) in plan.into_iter().enumerate() {
+            // The row each chunk samples from: its last.
+            let last = row0[j] + if all_rows[j] { n - 1 } else { 0 };
+            if all_rows[j] {
+                if let (StepOut::Logits(l), Some(k)) = (&out, s.req.prompt_logprobs) {
+                    let mut lps = Vec::new();
+                    for r in 0..n {
+                        // Row r (position done + r) predicts the token at done + r + 1.
+                        let q = s.done + r + 1;
+                        if q >= s.prompt_scored && q < s.prompt_len {
+                            let row = &l[(row0[j] + r) * vocab..(row0[j] + r + 1) * vocab];
+                            lps.push((s.tokens[q], logprobs(row, s.tokens[q], k)));
+                        }
+                    }
+                    s.prompt_scored += lps.len();
+                    if !lps.is_empty() {
+                        let _ = s.events.send(Event::PromptLogprobs(lps));
+                    }
+                }
+            }
             s.done += n;
             self.register_full_blocks(&mut s);
             if s.done < s.tokens.len() {
                 self.running.push(s); // more prompt to go
                 continue;
             }
+            if s.req.max_tokens == 0 {
+                // Only the prompt was asked for (its log probabilities, say).
+                let _ = s.events.send(Event::Finished {
+                    reason: FinishReason::Length,
+                    prompt_tokens: s.prompt_len,
+                    completion_tokens: 0,
+                    cached_tokens: s.cached,
+                    queue_s: s.queue_s.unwrap_or(0.0),
+                });
+                self.evict(&mut s);
+                continue;
+            }
             let (id, lp) = match &out {
                 StepOut::Ids(ids) => (ids[j], None),
                 StepOut::Logits(l) => {
-                    let row = &l[j * vocab..(j + 1) * vocab];
+                    let row = &l[last * vocab..(last + 1) * vocab];
                     let id = s.sampler.sample(row);
                     (id, s.req.logprobs.map(|k| Box::new(logprobs(row, id, k))))
                 }

@@ -511,7 +511,7 @@ impl Llama {
             start: cache.len,
             table: &cache.table,
         };
-        let logits = self.run(&[seq], &mut cache.kv, all_logits)?;
+        let logits = self.run(&[seq], &mut cache.kv, &[all_logits])?;
         cache.len = end;
         Ok(logits)
     }
@@ -525,14 +525,16 @@ impl Llama {
         seqs: &[SeqChunk<'_>],
         kv: &mut PagedKv,
     ) -> Result<Vec<f32>, RuntimeError> {
-        self.run(seqs, kv, false)
+        self.run(seqs, kv, &[])
     }
 
+    /// A step; the chunks `all_rows` marks get logits for every row (see
+    /// [`crate::StepModel::forward_batch_rows`]).
     fn run(
         &self,
         seqs: &[SeqChunk<'_>],
         kv: &mut PagedKv,
-        all_rows: bool,
+        all_rows: &[bool],
     ) -> Result<Vec<f32>, RuntimeError> {
         let cfg = &self.cfg;
         crate::step::validate(cfg, seqs, kv.block_size(), kv.blocks())?;
@@ -641,18 +643,18 @@ impl Llama {
             matmul(pool, &g, n, &mut [(matrix(w, &l.down), &mut o)]);
             ops::add_inplace(&mut x, &o);
         }
-        // Logits for every row, or for each sequence's last row.
-        let picked: Vec<usize> = if all_rows {
-            (0..n).collect()
-        } else {
-            let mut end = 0;
-            seqs.iter()
-                .map(|sq| {
-                    end += sq.tokens.len();
-                    end - 1
-                })
-                .collect()
-        };
+        // Logits for every row of the chunks that asked, the last row of the others.
+        let mut picked: Vec<usize> = Vec::with_capacity(seqs.len());
+        let mut end = 0;
+        for (i, sq) in seqs.iter().enumerate() {
+            let first = end;
+            end += sq.tokens.len();
+            if all_rows.get(i).copied().unwrap_or(false) {
+                picked.extend(first..end);
+            } else {
+                picked.push(end - 1);
+            }
+        }
         let mut last = vec![0f32; picked.len() * h];
         for (j, &r) in picked.iter().enumerate() {
             last[j * h..(j + 1) * h].copy_from_slice(&x[r * h..(r + 1) * h]);
@@ -692,11 +694,12 @@ impl crate::step::StepModel for Llama {
             self.kv_dtype(),
         ))
     }
-    fn forward_batch(
+    fn forward_batch_rows(
         &self,
         seqs: &[SeqChunk<'_>],
         kv: &mut PagedKv,
+        all_rows: &[bool],
     ) -> Result<Vec<f32>, RuntimeError> {
-        Llama::forward_batch(self, seqs, kv)
+        self.run(seqs, kv, all_rows)
     }
 }

@@ -25,6 +25,17 @@ pub trait StepModel: Send + Sync + 'static {
         &self,
         seqs: &[SeqChunk<'_>],
         kv: &mut Self::Kv,
+    ) -> Result<Vec<f32>, RuntimeError> {
+        self.forward_batch_rows(seqs, kv, &[])
+    }
+    /// [`StepModel::forward_batch`] with the logits of every token of the chunks `all_rows`
+    /// marks (a prompt's log probabilities), in row order: each chunk gives all its rows or
+    /// its last one.
+    fn forward_batch_rows(
+        &self,
+        seqs: &[SeqChunk<'_>],
+        kv: &mut Self::Kv,
+        all_rows: &[bool],
     ) -> Result<Vec<f32>, RuntimeError>;
     /// [`StepModel::forward_batch`] for a step whose every sequence samples greedily: each
     /// sequence's argmax id (the first index of its largest logit, as
@@ -134,16 +145,18 @@ pub struct StepPlan {
 pub use thaw_kernels::device::PREFILL_TILE;
 
 impl StepPlan {
-    /// Builds the plan of a validated step (see [`validate`]).
+    /// Builds the plan of a validated step (see [`validate`]); the chunks `all_rows` marks
+    /// (index by index; missing entries are `false`) pick every row for logits, the others
+    /// their last.
     pub fn build(
         seqs: &[SeqChunk<'_>],
         layout: KvLayout,
         inv_freq: &[f64],
-        all_rows: bool,
+        all_rows: &[bool],
     ) -> StepPlan {
         let mut p = StepPlan::default();
         let half = inv_freq.len();
-        for sq in seqs {
+        for (i, sq) in seqs.iter().enumerate() {
             let off = p.tables.len() as u32;
             p.tables.extend_from_slice(sq.table);
             let first = p.tokens.len() as u32;
@@ -172,12 +185,11 @@ impl StepPlan {
                     &mut p.sin[at..at + half],
                 );
             }
-            if !all_rows {
+            if all_rows.get(i).copied().unwrap_or(false) {
+                p.picked.extend(first..p.tokens.len() as u32);
+            } else {
                 p.picked.push(p.tokens.len() as u32 - 1);
             }
-        }
-        if all_rows {
-            p.picked = (0..p.tokens.len() as u32).collect();
         }
         p
     }
@@ -284,7 +296,7 @@ mod tests {
         let inv: Vec<f64> = (0..hd / 2)
             .map(|i| 1.0 / 10000f64.powf(2.0 * i as f64 / hd as f64))
             .collect();
-        let p = StepPlan::build(&seqs, layout, &inv, false);
+        let p = StepPlan::build(&seqs, layout, &inv, &[]);
         assert_eq!(p.rows(), 8);
         assert_eq!(p.picked, vec![4, 7]);
         assert_eq!(p.tokens, [a.clone(), b.clone()].concat());
@@ -337,15 +349,18 @@ mod tests {
             ],
             layout,
             &inv,
-            false,
+            &[],
         );
         assert_eq!(solo.decode_rows, vec![0]);
         assert_eq!(
             (solo.tile_row0.clone(), solo.tile_rows.clone()),
             (vec![1], vec![3])
         );
-        let all = StepPlan::build(&seqs, layout, &inv, true);
+        let all = StepPlan::build(&seqs, layout, &inv, &[true, true]);
         assert_eq!(all.picked, (0..8).collect::<Vec<u32>>());
+        // Only the second chunk's rows (rows 5..8), after the first's last row.
+        let second = StepPlan::build(&seqs, layout, &inv, &[false, true]);
+        assert_eq!(second.picked, vec![4, 5, 6, 7]);
         // Every slot of every row lies inside the store.
         let max = p.slot.iter().max().copied().unwrap() as usize
             + layout.layer_off(c.num_hidden_layers - 1)

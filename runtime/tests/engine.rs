@@ -35,6 +35,7 @@ fn request(prompt: Vec<u32>, max_tokens: usize, stop_ids: Vec<u32>) -> Request {
         ignore_eos: false,
         logprobs: None,
         min_tokens: 0,
+        prompt_logprobs: None,
     }
 }
 
@@ -346,4 +347,69 @@ fn min_tokens_holds_off_the_stop_ids() {
     let stops = eos(m, tok);
     assert!(long.iter().all(|t| !stops.contains(t)));
     wait_idle(&e);
+}
+
+/// Prompt log probabilities: one per prompt token after the first, each the log-softmax of the
+/// single-sequence pass's logits at the position before — through chunked prefill (4-token
+/// steps), for a prompt the prefix cache holds (it is bypassed: cached positions have no
+/// logits), and with `max_tokens` 0 (the prompt scored, nothing generated).
+#[test]
+fn prompt_logprobs_score_every_prompt_token() {
+    use thaw_runtime::KvCache;
+    let (m, tok) = setup();
+    let prompt: Vec<u32> = prompts(8).concat(); // several full blocks
+    assert!(prompt.len() > 40);
+    let mut cache = KvCache::new(m);
+    let all = m.forward(&prompt, &mut cache, true).unwrap();
+    let vocab = m.cfg.vocab_size;
+    let e = Engine::start(m.clone(), cfg(m, 64, 4)).unwrap();
+    // Twice: the second time the prompt's full blocks are in the prefix cache.
+    for (round, max_tokens) in [(0, 3), (1, 0)] {
+        let mut r = request(prompt.clone(), max_tokens, eos(m, tok));
+        r.prompt_logprobs = Some(2);
+        r.ignore_eos = true;
+        let mut s = e.submit(r);
+        let (mut scored, mut generated) = (vec![], 0);
+        let fin = loop {
+            match s.recv().unwrap() {
+                Event::PromptLogprobs(v) => scored.extend(v),
+                Event::Token { .. } => generated += 1,
+                end => break end,
+            }
+        };
+        assert!(
+            matches!(fin, Event::Finished { completion_tokens, .. } if completion_tokens == max_tokens),
+            "{fin:?}"
+        );
+        assert_eq!(generated, max_tokens);
+        assert_eq!(scored.len(), prompt.len() - 1, "round {round}");
+        for (q, (id, lp)) in scored.iter().enumerate() {
+            let q = q + 1;
+            assert_eq!(*id, prompt[q]);
+            let row = &all[(q - 1) * vocab..q * vocab];
+            let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let lse = max
+                + row
+                    .iter()
+                    .map(|&v| (v as f64 - max).exp())
+                    .sum::<f64>()
+                    .ln();
+            let want = (row[*id as usize] as f64 - lse) as f32;
+            assert!(
+                (lp.logprob - want).abs() < 1e-3,
+                "position {q}: {} vs {want}",
+                lp.logprob
+            );
+            assert_eq!(lp.top.len(), 2);
+        }
+        wait_idle(&e);
+        // The first round left the prompt's full blocks in the cache; the second did not use them.
+        assert_eq!(e.stats().cached_tokens, 0, "round {round}");
+    }
+    // Without prompt log probabilities the same prompt is served from the cache.
+    let (_, fin) = e.submit(request(prompt.clone(), 1, vec![])).collect();
+    assert!(
+        matches!(fin, Event::Finished { cached_tokens, .. } if cached_tokens >= 32),
+        "{fin:?}"
+    );
 }

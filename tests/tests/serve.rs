@@ -434,6 +434,13 @@ fn errors_have_their_status_and_openai_shape() {
             "invalid_request",
         ),
         (
+            "/v1/chat/completions",
+            chat(json!({"echo": true})),
+            Some("k1"),
+            400,
+            "invalid_request",
+        ),
+        (
             "/invoke",
             chat(json!({"logprobs": true})),
             Some("k1"),
@@ -625,6 +632,49 @@ fn logprobs_choices_and_logit_bias() {
         );
     }
     let first = tokens[0].to_string();
+    let first_lp = lp["token_logprobs"][0].as_f64().unwrap();
+
+    // echo + logprobs, max_tokens 0 (how evaluation harnesses score a text): the prompt comes
+    // back scored, its first token unscored, and a token's score as a prompt token is its
+    // score as a generated one.
+    let scored = format!("The capital of France is{first}");
+    let (st, v) = post(
+        &s,
+        "/v1/completions",
+        &json!({"prompt": scored, "max_tokens": 0,
+        "echo": true, "logprobs": 1}),
+    );
+    assert_eq!(st, 200, "{v}");
+    let c = &v["choices"][0];
+    assert_eq!(c["text"], scored.as_str(), "{v}");
+    let ptoks: Vec<&str> = c["logprobs"]["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(ptoks.concat(), scored);
+    assert!(
+        c["logprobs"]["token_logprobs"][0].is_null() && c["logprobs"]["top_logprobs"][0].is_null()
+    );
+    let last = c["logprobs"]["token_logprobs"][ptoks.len() - 1]
+        .as_f64()
+        .unwrap();
+    assert!((last - first_lp).abs() < 1e-3, "{last} vs {first_lp}");
+    assert_eq!(v["usage"]["completion_tokens"], 0);
+    // Streamed, echo without logprobs: the prompt is the first chunk's text.
+    let r = client()
+        .post(s.url("/v1/completions"))
+        .json(&json!({"prompt": "The capital of France is",
+        "max_tokens": 2, "temperature": 0, "echo": true, "stream": true}))
+        .send()
+        .unwrap();
+    let ev = sse_events(r);
+    let c0: Value = serde_json::from_str(&ev[0]).unwrap();
+    assert_eq!(c0["choices"][0]["text"], "The capital of France is");
+    assert!(stream_text(&ev)
+        .0
+        .starts_with(&format!("The capital of France is{first}")));
 
     // logit_bias -100 on the greedy first token: another one comes first.
     let id = {

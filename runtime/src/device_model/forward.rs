@@ -28,10 +28,11 @@ impl<D: DeviceOps> DeviceLlama<D> {
         seqs: &[SeqChunk<'_>],
         kv: &mut DeviceKv<D::Buf>,
         greedy: bool,
+        all_rows: &[bool],
     ) -> Result<Step, RuntimeError> {
         let c = &self.cfg;
         validate(c, seqs, kv.layout.block_size, kv.layout.blocks)?;
-        let plan = StepPlan::build(seqs, kv.layout, &self.inv_freq, false);
+        let plan = StepPlan::build(seqs, kv.layout, &self.inv_freq, all_rows);
         let (n, p) = (plan.rows(), plan.picked.len());
         let (meta, at) = plan.pack();
         let tiled = !plan.tile_row0.is_empty() && self.tiled_prefill.load(Ordering::Relaxed);

@@ -387,12 +387,13 @@ impl<D: DeviceOps> StepModel for DeviceLlama<D> {
             kind: self.kv_kind,
         })
     }
-    fn forward_batch(
+    fn forward_batch_rows(
         &self,
         seqs: &[SeqChunk<'_>],
         kv: &mut Self::Kv,
+        all_rows: &[bool],
     ) -> Result<Vec<f32>, RuntimeError> {
-        match self.run(seqs, kv, false)? {
+        match self.run(seqs, kv, false, all_rows)? {
             Step::Logits(l) => Ok(l),
             Step::Ids(_) => Err(RuntimeError::Config("a logits step returned ids".into())),
         }
@@ -402,7 +403,7 @@ impl<D: DeviceOps> StepModel for DeviceLlama<D> {
         seqs: &[SeqChunk<'_>],
         kv: &mut Self::Kv,
     ) -> Result<Vec<u32>, RuntimeError> {
-        match self.run(seqs, kv, true)? {
+        match self.run(seqs, kv, true, &[])? {
             Step::Ids(ids) => Ok(ids),
             Step::Logits(_) => Err(RuntimeError::Config("a greedy step returned logits".into())),
         }

@@ -31,7 +31,7 @@ struct Content {
 }
 
 /// The cached prefix found for a prompt.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PrefixMatch {
     /// Blocks now referenced by the caller (in order).
     pub blocks: Vec<BlockId>,

@@ -1,5 +1,5 @@
 //! The OpenAI request bodies this worker accepts, and their checks. Parameters it cannot honour
-//! (n > 1, tools, echo, ...) are refused with a 400 that names them, never silently ignored;
+//! (best_of, tools, chat's echo, ...) are refused with a 400 that names them, never silently ignored;
 //! fields that change nothing about the output (`user`, `metadata`) are accepted. Log
 //! probabilities take each API's own form: chat's `logprobs: true` + `top_logprobs: 0..=20`,
 //! completions' `logprobs: 0..=20`.
@@ -105,9 +105,6 @@ impl Params {
         if truthy(&self.tools) || truthy(&self.tool_choice) {
             return unsupported("tools", "tool calling");
         }
-        if self.echo == Some(true) {
-            return unsupported("echo", "echo");
-        }
         if truthy(&self.suffix) {
             return unsupported("suffix", "suffix");
         }
@@ -118,6 +115,17 @@ impl Params {
             }
         }
         Ok(())
+    }
+
+    /// Whether the output starts with the prompt (`echo`: the completions API only; with
+    /// `logprobs`, the prompt's tokens are scored too).
+    pub fn echo(&self, form: LogprobsForm) -> Result<bool, ApiError> {
+        match (self.echo.unwrap_or(false), form) {
+            (false, _) | (true, LogprobsForm::Completion) => Ok(self.echo.unwrap_or(false)),
+            (true, _) => {
+                Err(ApiError::bad_request("echo is taken by /v1/completions only").param("echo"))
+            }
+        }
     }
 
     /// How many choices to generate (`n`, 1 to [`MAX_CHOICES`]).

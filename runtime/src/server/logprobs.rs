@@ -42,18 +42,30 @@ impl Piece {
     }
 }
 
-/// A generated token and its likeliest alternatives.
+/// A generated (or echoed prompt) token and its likeliest alternatives.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Entry {
     pub chosen: Piece,
     pub top: Vec<Piece>,
+    /// The prompt's first token: nothing before it to score it by (`null` in the output).
+    pub unscored: bool,
 }
 
 impl Entry {
+    /// An echoed prompt's first token.
+    pub fn unscored(tok: &TextTokenizer, id: u32) -> Entry {
+        Entry {
+            chosen: Piece::new(tok, id, 0.0),
+            top: vec![],
+            unscored: true,
+        }
+    }
+
     pub fn new(tok: &TextTokenizer, id: u32, lp: &TokenLogprobs) -> Entry {
         Entry {
             chosen: Piece::new(tok, id, lp.logprob),
             top: lp.top.iter().map(|&(t, l)| Piece::new(tok, t, l)).collect(),
+            unscored: false,
         }
     }
 }
@@ -80,6 +92,13 @@ pub fn completion_json(entries: &[Entry], offset: &mut usize) -> Value {
     let mut offsets = Vec::with_capacity(entries.len());
     for e in entries {
         tokens.push(json!(e.chosen.token));
+        offsets.push(json!(*offset));
+        *offset += e.chosen.token.chars().count();
+        if e.unscored {
+            lps.push(Value::Null);
+            tops.push(Value::Null);
+            continue;
+        }
         lps.push(json!(e.chosen.logprob));
         let mut m = Map::new();
         for p in &e.top {
@@ -87,8 +106,6 @@ pub fn completion_json(entries: &[Entry], offset: &mut usize) -> Value {
             m.entry(p.token.clone()).or_insert(json!(p.logprob));
         }
         tops.push(Value::Object(m));
-        offsets.push(json!(*offset));
-        *offset += e.chosen.token.chars().count();
     }
     json!({"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets})
 }
@@ -106,6 +123,7 @@ mod tests {
         Entry {
             chosen: p(token, lp),
             top: top.iter().map(|&(t, l)| p(t, l)).collect(),
+            unscored: false,
         }
     }
 
@@ -129,5 +147,12 @@ mod tests {
         assert_eq!(l["top_logprobs"][0], json!({"Hé": -0.5, "A": -1.5}));
         assert_eq!(l["text_offset"], json!([3, 5]));
         assert_eq!(off, 7);
+        let mut first = entry("The", 0.0, &[]);
+        first.unscored = true;
+        let l = completion_json(&[first, e[0].clone()], &mut 0);
+        assert_eq!(l["tokens"], json!(["The", "Hé"]));
+        assert_eq!(l["token_logprobs"], json!([null, -0.5]));
+        assert_eq!(l["top_logprobs"][0], json!(null));
+        assert_eq!(l["text_offset"], json!([0, 3]));
     }
 }

@@ -156,6 +156,7 @@ fn load_worker(o: &ServeOptions) -> Result<(Worker, ColdStart, Option<LoadDone>)
                 ignore_eos: true,
                 logprobs: None,
                 min_tokens: 0,
+                prompt_logprobs: None,
             })
             .collect();
         if let crate::engine::Event::Error(e) = end {

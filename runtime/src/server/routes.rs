@@ -24,7 +24,7 @@ use super::error::ApiError;
 use super::logprobs::{chat_json, completion_json, Entry};
 use super::metrics::METRICS;
 use super::run::{Asked, Out, Run, Spec, Usage};
-use super::state::{App, State as Life};
+use super::state::{App, State as Life, Worker};
 use crate::chat::render_chat;
 use crate::generate::FinishReason;
 
@@ -94,18 +94,27 @@ enum Input {
     Prompt(Prompt),
 }
 
+/// A request's runs, started.
+struct Started {
+    runs: Vec<Run>,
+    /// How long the request waited for a load.
+    waited: Option<f64>,
+    /// With `echo`: the prompt's text, which the output starts with.
+    echo: Option<String>,
+}
+
 /// Checks, admits and starts a request's generations (`n` of them, one admission slot and one
-/// engine request each, sharing the prompt through the prefix cache); also returns how long it
-/// waited for a load.
+/// engine request each, sharing the prompt through the prefix cache).
 async fn start(
     app: &Arc<App>,
     arrival: Instant,
     input: Input,
     p: &Params,
     form: LogprobsForm,
-) -> Result<(Vec<Run>, Option<f64>), ApiError> {
+) -> Result<Started, ApiError> {
     p.check_supported()?;
     let logprobs = p.logprobs(form)?;
+    let echo = p.echo(form)?;
     let n = p.choices()?;
     if let Some(m) = &p.model {
         if m != &app.served_name && m != &app.opts.model_arg {
@@ -118,27 +127,19 @@ async fn start(
     let (w, waited) = app.worker().await?;
     let wt = w.clone();
     // Rendering and tokenizing a long prompt is CPU work: keep it off the async workers.
-    let prompt = tokio::task::spawn_blocking(move || -> Result<Vec<u32>, ApiError> {
-        let enc = |s: &str| {
-            wt.tok
-                .encode(s, true)
-                .map_err(|e| ApiError::bad_request(e.to_string()))
+    let (prompt, echo_text) = tokio::task::spawn_blocking(move || {
+        let ids = prompt_ids(&wt, input)?;
+        // The echoed text: the client's own, or the decoded ids it sent.
+        let text = match (echo, &ids) {
+            (false, _) => None,
+            (true, (_, Some(t))) => Some(t.clone()),
+            (true, (ids, None)) => Some(
+                wt.tok
+                    .decode(ids, false)
+                    .map_err(|e| ApiError::bad_request(e.to_string()))?,
+            ),
         };
-        match input {
-            Input::Chat(m) => {
-                let msgs = chat_messages(&m)?;
-                let text = render_chat(&wt.tok, &msgs, true)
-                    .map_err(|e| ApiError::bad_request(e.to_string()).param("messages"))?;
-                enc(&text)
-            }
-            Input::Prompt(Prompt::Text(s)) => enc(&s),
-            Input::Prompt(Prompt::Ids(v)) => Ok(v),
-            Input::Prompt(Prompt::Texts(v)) if v.len() == 1 => enc(&v[0]),
-            Input::Prompt(Prompt::Batch(mut v)) if v.len() == 1 => Ok(v.swap_remove(0)),
-            Input::Prompt(_) => {
-                Err(ApiError::bad_request("exactly one prompt per request").param("prompt"))
-            }
-        }
+        Ok::<_, ApiError>((ids.0, text))
     })
     .await
     .map_err(|e| ApiError::internal(format!("tokenizer task: {e}")))??;
@@ -150,6 +151,7 @@ async fn start(
         logprobs,
         stop_token_ids: p.stop_token_ids()?,
         min_tokens: p.min_tokens,
+        echo,
     };
     let spec = Spec::new(&w, prompt, asked)?;
     let runs = slots
@@ -162,7 +164,39 @@ async fn start(
             Run::start(w.clone(), spec, arrival, slot)
         })
         .collect();
-    Ok((runs, waited))
+    Ok(Started {
+        runs,
+        waited,
+        echo: echo_text,
+    })
+}
+
+/// The prompt's token ids, and its text where the client sent text (not for chat, whose text
+/// the template makes).
+fn prompt_ids(w: &Worker, input: Input) -> Result<(Vec<u32>, Option<String>), ApiError> {
+    let enc = |s: &str| {
+        w.tok
+            .encode(s, true)
+            .map_err(|e| ApiError::bad_request(e.to_string()))
+    };
+    match input {
+        Input::Chat(m) => {
+            let msgs = chat_messages(&m)?;
+            let text = render_chat(&w.tok, &msgs, true)
+                .map_err(|e| ApiError::bad_request(e.to_string()).param("messages"))?;
+            Ok((enc(&text)?, None))
+        }
+        Input::Prompt(Prompt::Text(s)) => Ok((enc(&s)?, Some(s))),
+        Input::Prompt(Prompt::Ids(v)) => Ok((v, None)),
+        Input::Prompt(Prompt::Texts(mut v)) if v.len() == 1 => {
+            let s = v.swap_remove(0);
+            Ok((enc(&s)?, Some(s)))
+        }
+        Input::Prompt(Prompt::Batch(mut v)) if v.len() == 1 => Ok((v.swap_remove(0), None)),
+        Input::Prompt(_) => {
+            Err(ApiError::bad_request("exactly one prompt per request").param("prompt"))
+        }
+    }
 }
 
 /// Headers that tell a client its request waited for a cold start (and how long).
@@ -192,11 +226,15 @@ struct Whole {
     usage: Usage,
 }
 
-/// Drives a run to its end.
-async fn run_to_end(run: &mut Run) -> Result<Whole, ApiError> {
+/// Drives a run to its end; its text starts with `echo` (the prompt) where asked.
+async fn run_to_end(run: &mut Run, echo: Option<&str>) -> Result<Whole, ApiError> {
     let (mut text, mut logprobs) = (String::new(), Vec::new());
     while let Some(o) = run.next().await {
         match o {
+            Out::Prompt(lp) => {
+                text.push_str(echo.unwrap_or(""));
+                logprobs.extend(lp);
+            }
             Out::Text(t, lp) => {
                 text.push_str(&t);
                 logprobs.extend(lp);
@@ -318,6 +356,8 @@ struct StreamState {
     /// Choices still generating, and the usage of those that finished.
     open: usize,
     usage: Usage,
+    /// The prompt's text, with `echo`.
+    echo: Option<String>,
 }
 
 /// An SSE stream of OpenAI chunks ending with `data: [DONE]`. Dropping it (the client went
@@ -328,6 +368,7 @@ fn sse(
     model: String,
     include_usage: bool,
     logprobs: bool,
+    echo: Option<String>,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
     let mut chunker = Chunker {
         kind,
@@ -355,6 +396,7 @@ fn sse(
         chunker,
         include_usage,
         usage: Usage::default(),
+        echo,
     };
     Sse::new(stream::unfold(st, |mut st| async move {
         loop {
@@ -365,6 +407,11 @@ fn sse(
                 return None;
             }
             match st.outputs.next().await {
+                Some((i, Out::Prompt(lp))) => {
+                    let text = st.echo.clone().unwrap_or_default();
+                    let c = st.chunker.chunk(i, Some(&text), None, false, &lp);
+                    st.queue.push_back(c)
+                }
                 Some((i, Out::Text(t, lp))) => {
                     let c = st.chunker.chunk(i, Some(&t), None, false, &lp);
                     st.queue.push_back(c)
@@ -407,15 +454,20 @@ async fn openai(
         Kind::Chat => LogprobsForm::Chat,
         Kind::Completion => LogprobsForm::Completion,
     };
-    let (mut runs, waited) = start(app, arrival, input, p, form).await?;
+    let Started {
+        mut runs,
+        waited,
+        echo,
+    } = start(app, arrival, input, p, form).await?;
     let model = app.served_name.clone();
     let want_lp = p.logprobs(form)?.is_some();
     if p.stream() {
-        let mut r = sse(runs, kind, model, p.include_usage(), want_lp).into_response();
+        let mut r = sse(runs, kind, model, p.include_usage(), want_lp, echo).into_response();
         cold_headers(&mut r, None, waited);
         return Ok(r);
     }
-    let wholes = futures_util::future::join_all(runs.iter_mut().map(run_to_end)).await;
+    let echo = echo.as_deref();
+    let wholes = futures_util::future::join_all(runs.iter_mut().map(|r| run_to_end(r, echo))).await;
     let mut usage = Usage::default();
     let mut choices = Vec::with_capacity(wholes.len());
     for (index, w) in wholes.into_iter().enumerate() {
@@ -508,15 +560,16 @@ pub async fn invoke(State(app): AppState, headers: HeaderMap, body: Body) -> Res
             )
             .param("n"));
         }
-        let (mut runs, waited) =
-            start(&app, arrival, input, &req.params, LogprobsForm::Refused).await?;
+        let Started {
+            mut runs, waited, ..
+        } = start(&app, arrival, input, &req.params, LogprobsForm::Refused).await?;
         let mut run = runs.swap_remove(0);
         let Whole {
             text,
             reason,
             usage,
             ..
-        } = run_to_end(&mut run).await?;
+        } = run_to_end(&mut run, None).await?;
         let ms = |s: f64| (s * 1e4).round() / 10.0;
         let ttft = run.first.map(|t| ms((t - run.arrival).as_secs_f64()));
         let queue_ms = ms(run.queue_s.unwrap_or(0.0));

@@ -29,6 +29,8 @@ pub struct Spec {
     pub stop_token_ids: Vec<u32>,
     /// EOS and the stop ids cannot come before this many tokens.
     pub min_tokens: usize,
+    /// The output starts with the prompt ([`Out::Prompt`]); with `logprobs`, scored.
+    pub echo: bool,
 }
 
 /// What a request asks for besides its prompt (parsed from the body, checked by [`Spec::new`]).
@@ -40,6 +42,7 @@ pub struct Asked {
     pub logprobs: Option<usize>,
     pub stop_token_ids: Vec<u32>,
     pub min_tokens: Option<u64>,
+    pub echo: bool,
 }
 
 impl Spec {
@@ -53,6 +56,7 @@ impl Spec {
             logprobs,
             stop_token_ids,
             min_tokens,
+            echo,
         } = asked;
         if prompt.is_empty() {
             return Err(ApiError::bad_request("the prompt is empty").param("prompt"));
@@ -88,6 +92,9 @@ impl Spec {
             )));
         }
         let max_tokens = match max_tokens {
+            // Echoing the prompt (and scoring it) without generating: what evaluation
+            // harnesses ask for.
+            Some(0) if echo => 0,
             Some(0) => {
                 return Err(
                     ApiError::bad_request("max_tokens must be at least 1").param("max_tokens")
@@ -110,6 +117,7 @@ impl Spec {
             ignore_eos,
             logprobs,
             stop_token_ids,
+            echo,
             min_tokens: match min_tokens {
                 Some(m) if m > max_tokens as u64 => {
                     return Err(ApiError::bad_request(format!(
@@ -152,6 +160,9 @@ impl Usage {
 }
 
 pub enum Out {
+    /// With `echo`, before anything else: the prompt's log probabilities when asked for (the
+    /// first token unscored), else nothing; the caller has the prompt's text.
+    Prompt(Vec<Entry>),
     /// Visible text, and the log probabilities of the tokens it completes when asked for
     /// (text is empty only when it carries the last tokens' log probabilities).
     Text(String, Vec<Entry>),
@@ -172,6 +183,8 @@ pub struct Run {
     pending: VecDeque<Out>,
     /// Log probabilities of tokens whose text is not out yet (held back or incomplete).
     logprobs: Vec<Entry>,
+    /// With `echo`: the prompt's entries gathered so far, until [`Out::Prompt`] is out.
+    echo: Option<Vec<Entry>>,
     /// No more engine events will be read.
     ended: bool,
     /// The outcome is in the metrics.
@@ -182,6 +195,7 @@ pub struct Run {
 impl Run {
     pub fn start(worker: Arc<Worker>, spec: Spec, arrival: Instant, slot: Admission) -> Run {
         let prompt_tokens = spec.prompt.len();
+        let prompt_first = spec.prompt[0];
         // The engine's `ignore_eos` ignores all its stop ids; stop_token_ids must still stop.
         let mut stop_ids = if spec.ignore_eos {
             vec![]
@@ -197,6 +211,11 @@ impl Run {
             ignore_eos: false,
             logprobs: spec.logprobs,
             min_tokens: spec.min_tokens,
+            prompt_logprobs: spec.logprobs.filter(|_| spec.echo),
+        });
+        let echo = spec.echo.then(|| match spec.logprobs {
+            Some(_) => vec![Entry::unscored(&worker.tok, prompt_first)],
+            None => vec![],
         });
         Run {
             worker,
@@ -210,6 +229,7 @@ impl Run {
             queue_s: None,
             pending: VecDeque::new(),
             logprobs: Vec::new(),
+            echo,
             ended: false,
             recorded: false,
             slot,
@@ -256,7 +276,16 @@ impl Run {
                 None => None,
             };
             match ev {
+                Some(Event::PromptLogprobs(v)) => {
+                    if let Some(e) = self.echo.as_mut() {
+                        e.extend(
+                            v.iter()
+                                .map(|(id, lp)| Entry::new(&self.worker.tok, *id, lp)),
+                        );
+                    }
+                }
                 Some(Event::Token { id, logprobs }) => {
+                    self.echo_prompt();
                     let now = Instant::now();
                     match self.last {
                         None => {
@@ -293,6 +322,7 @@ impl Run {
                     ..
                 }) => {
                     self.queue_s = Some(queue_s);
+                    self.echo_prompt();
                     let tail = self.text.finish();
                     self.emit(tail);
                     let done = self.finish(reason, cached_tokens);
@@ -301,6 +331,13 @@ impl Run {
                 Some(Event::Error(e)) => self.fail(e),
                 None => self.fail("the engine stopped".into()),
             }
+        }
+    }
+
+    /// Queues the echoed prompt's output, once, before the first token's.
+    fn echo_prompt(&mut self) {
+        if let Some(e) = self.echo.take() {
+            self.pending.push_back(Out::Prompt(e));
         }
     }
 
