@@ -63,6 +63,10 @@ pub struct ServeArgs {
     /// Name for this side in the output (e.g. "thaw bf16", "llama-server F16 -np 16").
     #[arg(long, default_value = "")]
     label: String,
+    /// With --url: `response_format` type to ask for (`json_object`: JSON mode, whose outputs
+    /// end when their object closes).
+    #[arg(long, requires = "url")]
+    response_format: Option<String>,
     #[arg(long)]
     json: bool,
 }
@@ -185,6 +189,7 @@ impl InProcess {
             logprobs: None,
             min_tokens: 0,
             prompt_logprobs: None,
+            constraint: None,
         });
         let mut o = Outcome::default();
         while let Some(e) = s.recv() {
@@ -236,7 +241,8 @@ struct Http {
     rt: tokio::runtime::Runtime,
     client: reqwest::Client,
     url: String,
-    model: Option<String>,
+    /// Fields every request carries besides the prompt and limits (`model`, `response_format`).
+    fields: Value,
     api_key: Option<String>,
 }
 
@@ -244,7 +250,7 @@ impl Http {
     async fn one(
         client: reqwest::Client,
         url: String,
-        model: Option<String>,
+        fields: Value,
         key: Option<String>,
         prompt: Vec<u32>,
         max_tokens: usize,
@@ -253,8 +259,8 @@ impl Http {
             "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true,
             "stream": true, "stream_options": {"include_usage": true},
         });
-        if let Some(m) = model {
-            body["model"] = json!(m);
+        for (k, v) in fields.as_object().into_iter().flatten() {
+            body[k] = v.clone();
         }
         let mut o = Outcome::default();
         let start = Instant::now();
@@ -337,10 +343,10 @@ impl Target for Http {
             let mut tasks = Vec::new();
             for _ in 0..concurrency.min(prompts.len()) {
                 let (prompts, next) = (prompts.clone(), next.clone());
-                let (client, url, model, key) = (
+                let (client, url, fields, key) = (
                     self.client.clone(),
                     self.url.clone(),
-                    self.model.clone(),
+                    self.fields.clone(),
                     self.api_key.clone(),
                 );
                 tasks.push(tokio::spawn(async move {
@@ -353,7 +359,7 @@ impl Target for Http {
                         let o = Http::one(
                             client.clone(),
                             url.clone(),
-                            model.clone(),
+                            fields.clone(),
                             key.clone(),
                             prompts[i].clone(),
                             max_tokens,
@@ -385,7 +391,16 @@ pub fn run(a: ServeArgs) -> Result<()> {
                 .pool_max_idle_per_host(256)
                 .build()?,
             url: url.trim_end_matches('/').to_string(),
-            model: a.served_model.clone(),
+            fields: {
+                let mut f = json!({});
+                if let Some(m) = &a.served_model {
+                    f["model"] = json!(m);
+                }
+                if let Some(t) = &a.response_format {
+                    f["response_format"] = json!({ "type": t });
+                }
+                f
+            },
             api_key: a.api_key.clone(),
         })
     } else if a.in_process {

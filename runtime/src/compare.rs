@@ -127,6 +127,7 @@ pub fn engine_outputs<M: StepModel>(m: Arc<M>) -> Result<Vec<Vec<u32>>, RuntimeE
                 logprobs: None,
                 min_tokens: 0,
                 prompt_logprobs: None,
+                constraint: None,
             })
         })
         .collect();

@@ -72,6 +72,33 @@ pub struct Request {
     /// alternatives, sent as [`Event::PromptLogprobs`] while the prompt is computed. Such a
     /// request skips the prefix cache: a cached position has no logits.
     pub prompt_logprobs: Option<usize>,
+    /// What the output must be (`None`: anything). Its steps take the logits path.
+    pub constraint: Option<Box<dyn Constraint>>,
+}
+
+/// A rule on what a request's output may be (JSON mode, say): which tokens may come next, and
+/// when the output is complete. The engine masks the logits with it before sampling, advances
+/// it with each token, and ends the request (reason `stop`) once it is complete.
+pub trait Constraint: Send {
+    /// Sets `allowed[id]` (one entry per vocabulary token) for each token that may come next.
+    fn allowed(&mut self, allowed: &mut [bool]);
+    /// Moves past `id`.
+    fn advance(&mut self, id: u32);
+    /// Whether the output is complete.
+    fn complete(&self) -> bool;
+    fn clone_box(&self) -> Box<dyn Constraint>;
+}
+
+impl Clone for Box<dyn Constraint> {
+    fn clone(&self) -> Self {
+        self.clone_box()
+    }
+}
+
+impl std::fmt::Debug for dyn Constraint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Constraint")
+    }
 }
 
 /// The most alternatives a request may ask log probabilities for (OpenAI's and vLLM's limit).
@@ -544,7 +571,10 @@ impl<M: StepModel> Scheduler<M> {
         // asks the model for ids only.
         let greedy = !all_rows.contains(&true)
             && plan.iter().all(|(s, n)| {
-                s.done + n < s.tokens.len() || (s.sampler.is_greedy() && s.req.logprobs.is_none())
+                s.done + n < s.tokens.len()
+                    || (s.sampler.is_greedy()
+                        && s.req.logprobs.is_none()
+                        && s.req.constraint.is_none())
             });
         let result = if greedy {
             self.model
@@ -615,7 +645,19 @@ impl<M: StepModel> Scheduler<M> {
                 StepOut::Ids(ids) => (ids[j], None),
                 StepOut::Logits(l) => {
                     let row = &l[last * vocab..(last + 1) * vocab];
-                    let id = s.sampler.sample(row);
+                    let id = match s.req.constraint.as_mut() {
+                        None => s.sampler.sample(row),
+                        Some(c) => match constrained(&mut s.sampler, c.as_mut(), row) {
+                            Some(id) => id,
+                            None => {
+                                let _ = s.events.send(Event::Error(
+                                    "the output's format allows no next token".into(),
+                                ));
+                                self.evict(&mut s);
+                                continue;
+                            }
+                        },
+                    };
                     (id, s.req.logprobs.map(|k| Box::new(logprobs(row, id, k))))
                 }
             };
@@ -629,7 +671,10 @@ impl<M: StepModel> Scheduler<M> {
                 s.tokens.push(id);
                 alive = s.events.send(Event::Token { id, logprobs: lp }).is_ok();
             }
-            let reason = if stop {
+            if let Some(c) = s.req.constraint.as_mut() {
+                c.advance(id);
+            }
+            let reason = if stop || s.req.constraint.as_ref().is_some_and(|c| c.complete()) {
                 Some(FinishReason::Stop)
             } else if s.generated() >= s.req.max_tokens {
                 Some(FinishReason::Length)
@@ -675,4 +720,25 @@ impl<M: StepModel> Scheduler<M> {
         c.prefix_hits = self.blocks.prefix_hits;
         *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = c;
     }
+}
+
+/// Samples from `row` with every token `c` does not allow masked out; `None` if it allows none.
+fn constrained(sampler: &mut Sampler, c: &mut dyn Constraint, row: &[f32]) -> Option<u32> {
+    let mut allowed = vec![false; row.len()];
+    c.allowed(&mut allowed);
+    if !allowed.contains(&true) {
+        return None;
+    }
+    let masked: Vec<f32> = row
+        .iter()
+        .zip(&allowed)
+        .map(|(&v, &a)| if a { v } else { f32::NEG_INFINITY })
+        .collect();
+    let id = sampler.sample(&masked);
+    // Sampling never picks a masked token unless every allowed one is -inf or NaN itself.
+    Some(if allowed[id as usize] {
+        id
+    } else {
+        allowed.iter().position(|&a| a)? as u32
+    })
 }

@@ -27,6 +27,7 @@ pub mod engine;
 pub mod error;
 pub mod fetch;
 pub mod generate;
+pub mod json_mode;
 pub mod kv;
 mod kv_store;
 pub mod model;

@@ -105,6 +105,14 @@ impl TextTokenizer {
         self.special.token_to_id(s)
     }
 
+    /// Whether `id` is an added (special or user-defined) token rather than a model piece.
+    pub fn is_added(&self, id: u32) -> bool {
+        self.special
+            .get_added_vocabulary()
+            .simple_id_to_token(id)
+            .is_some()
+    }
+
     /// The bytes one token stands for on its own (what OpenAI's `logprobs.bytes` holds): added
     /// tokens' text; byte-level BPE pieces mapped back through GPT-2's byte ↔ character table
     /// (a piece may be part of a UTF-8 character, so this is bytes, not text); `<0xHH>`

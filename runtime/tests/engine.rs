@@ -36,6 +36,7 @@ fn request(prompt: Vec<u32>, max_tokens: usize, stop_ids: Vec<u32>) -> Request {
         logprobs: None,
         min_tokens: 0,
         prompt_logprobs: None,
+        constraint: None,
     }
 }
 
@@ -412,4 +413,67 @@ fn prompt_logprobs_score_every_prompt_token() {
         matches!(fin, Event::Finished { cached_tokens, .. } if cached_tokens >= 32),
         "{fin:?}"
     );
+}
+
+/// JSON mode through the engine: greedy and sampled outputs are JSON objects that parse, and
+/// each request ends (reason stop) the moment its object closes.
+#[test]
+fn json_mode_outputs_parse_as_objects() {
+    use thaw_runtime::json_mode::{JsonObject, JsonState, Vocab};
+    use thaw_runtime::{render_chat, ChatMessage};
+    let (m, tok) = setup();
+    let vocab = Arc::new(Vocab::new(
+        (0..m.cfg.vocab_size as u32)
+            .map(|id| (!tok.is_added(id)).then(|| tok.token_bytes(id)))
+            .collect(),
+    ));
+    let text = render_chat(
+        tok,
+        &[ChatMessage {
+            role: "user".into(),
+            content: "Describe a city as JSON with its name and population.".into(),
+        }],
+        true,
+    )
+    .unwrap();
+    let prompt = tok.encode(&text, true).unwrap();
+    let e = Engine::start(m.clone(), cfg(m, 128, 512)).unwrap();
+    let streams: Vec<_> = (0..4)
+        .map(|i| {
+            let mut r = request(prompt.clone(), 200, eos(m, tok));
+            r.constraint = Some(Box::new(JsonObject::new(vocab.clone())));
+            if i > 0 {
+                r.sampling.temperature = 0.7;
+                r.sampling.seed = Some(i);
+            }
+            e.submit(r)
+        })
+        .collect();
+    let mut closed = 0;
+    for (i, s) in streams.into_iter().enumerate() {
+        let (ids, fin) = s.collect();
+        let out = tok.decode(&ids, false).unwrap();
+        match fin {
+            Event::Finished {
+                reason: FinishReason::Stop,
+                ..
+            } => {
+                let v: serde_json::Value = serde_json::from_str(&out)
+                    .unwrap_or_else(|err| panic!("request {i}: {err}: {out:?}"));
+                assert!(v.is_object(), "{out}");
+                closed += 1;
+            }
+            // A sampled ramble may run out of tokens first: still a JSON object so far.
+            Event::Finished {
+                reason: FinishReason::Length,
+                ..
+            } if i > 0 => {
+                let mut st = JsonState::default();
+                assert!(st.feed_all(out.as_bytes()) && !st.done(), "{out:?}");
+            }
+            other => panic!("request {i}: {other:?} after {out:?}"),
+        }
+    }
+    assert!(closed >= 2, "only {closed} of 4 objects closed");
+    wait_idle(&e);
 }

@@ -441,6 +441,13 @@ fn errors_have_their_status_and_openai_shape() {
             "invalid_request",
         ),
         (
+            "/v1/chat/completions",
+            chat(json!({"response_format": {"type": "json_schema", "json_schema": {}}})),
+            Some("k1"),
+            400,
+            "invalid_request",
+        ),
+        (
             "/invoke",
             chat(json!({"logprobs": true})),
             Some("k1"),
@@ -770,6 +777,26 @@ fn logprobs_choices_and_logit_bias() {
         "max_tokens": 8, "temperature": 0.8, "seed": 1, "repetition_penalty": 1.3, "min_p": 0.1}),
     );
     assert_eq!(st, 200, "{v}");
+
+    // JSON mode: the answer is a JSON object that parses (without it this model fences its
+    // JSON in markdown), streamed too, and the request ends when the object closes.
+    let body = json!({"messages": [{"role": "user",
+        "content": "Give me a JSON object describing a cat with name and age."}],
+        "max_tokens": 300, "temperature": 0, "response_format": {"type": "json_object"}});
+    let (st, v) = post(&s, "/v1/chat/completions", &body);
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    let content = v["choices"][0]["message"]["content"].as_str().unwrap();
+    let obj: Value = serde_json::from_str(content).unwrap_or_else(|e| panic!("{e}: {content:?}"));
+    assert!(obj.is_object(), "{content}");
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    let r = client()
+        .post(s.url("/v1/chat/completions"))
+        .json(&sb)
+        .send()
+        .unwrap();
+    assert_eq!(stream_text(&sse_events(r)).0, content);
 
     // A client that leaves an n = 3 stream frees all three sequences' blocks.
     let mut resp = client()

@@ -108,13 +108,25 @@ impl Params {
         if truthy(&self.suffix) {
             return unsupported("suffix", "suffix");
         }
-        if let Some(rf) = &self.response_format {
-            let t = rf.get("type").and_then(|t| t.as_str());
-            if !rf.is_null() && t != Some("text") {
-                return unsupported("response_format", "a response_format other than text");
-            }
-        }
+        self.json_mode()?;
         Ok(())
+    }
+
+    /// Whether the output must be a JSON object (`response_format: {"type": "json_object"}`;
+    /// `text` or none: free text; JSON schemas are refused).
+    pub fn json_mode(&self) -> Result<bool, ApiError> {
+        let Some(rf) = set(&self.response_format) else {
+            return Ok(false);
+        };
+        match rf.get("type").and_then(|t| t.as_str()) {
+            Some("text") => Ok(false),
+            Some("json_object") => Ok(true),
+            _ => Err(ApiError::bad_request(format!(
+                "response_format must be {{\"type\": \"text\"}} or {{\"type\": \"json_object\"}} \
+                 (JSON schemas are not supported), got {rf}"
+            ))
+            .param("response_format")),
+        }
     }
 
     /// Whether the output starts with the prompt (`echo`: the completions API only; with

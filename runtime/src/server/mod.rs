@@ -157,6 +157,7 @@ fn load_worker(o: &ServeOptions) -> Result<(Worker, ColdStart, Option<LoadDone>)
                 logprobs: None,
                 min_tokens: 0,
                 prompt_logprobs: None,
+                constraint: None,
             })
             .collect();
         if let crate::engine::Event::Error(e) = end {
@@ -199,6 +200,7 @@ fn load_worker(o: &ServeOptions) -> Result<(Worker, ColdStart, Option<LoadDone>)
             max_seq,
             default_max_tokens: o.default_max_tokens,
             load_s,
+            json_vocab: Default::default(),
         },
         cs,
         done,

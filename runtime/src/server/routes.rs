@@ -127,7 +127,11 @@ async fn start(
     let (w, waited) = app.worker().await?;
     let wt = w.clone();
     // Rendering and tokenizing a long prompt is CPU work: keep it off the async workers.
+    let json = p.json_mode()?;
     let (prompt, echo_text) = tokio::task::spawn_blocking(move || {
+        if json {
+            wt.json_vocab(); // built once, here off the async workers
+        }
         let ids = prompt_ids(&wt, input)?;
         // The echoed text: the client's own, or the decoded ids it sent.
         let text = match (echo, &ids) {
@@ -152,6 +156,7 @@ async fn start(
         stop_token_ids: p.stop_token_ids()?,
         min_tokens: p.min_tokens,
         echo,
+        json,
     };
     let spec = Spec::new(&w, prompt, asked)?;
     let runs = slots

@@ -31,6 +31,8 @@ pub struct Spec {
     pub min_tokens: usize,
     /// The output starts with the prompt ([`Out::Prompt`]); with `logprobs`, scored.
     pub echo: bool,
+    /// The output is held to a JSON object (and ends when it closes).
+    pub json: bool,
 }
 
 /// What a request asks for besides its prompt (parsed from the body, checked by [`Spec::new`]).
@@ -43,6 +45,7 @@ pub struct Asked {
     pub stop_token_ids: Vec<u32>,
     pub min_tokens: Option<u64>,
     pub echo: bool,
+    pub json: bool,
 }
 
 impl Spec {
@@ -57,6 +60,7 @@ impl Spec {
             stop_token_ids,
             min_tokens,
             echo,
+            json,
         } = asked;
         if prompt.is_empty() {
             return Err(ApiError::bad_request("the prompt is empty").param("prompt"));
@@ -118,6 +122,7 @@ impl Spec {
             logprobs,
             stop_token_ids,
             echo,
+            json,
             min_tokens: match min_tokens {
                 Some(m) if m > max_tokens as u64 => {
                     return Err(ApiError::bad_request(format!(
@@ -212,6 +217,10 @@ impl Run {
             logprobs: spec.logprobs,
             min_tokens: spec.min_tokens,
             prompt_logprobs: spec.logprobs.filter(|_| spec.echo),
+            constraint: spec.json.then(|| {
+                Box::new(crate::json_mode::JsonObject::new(worker.json_vocab()))
+                    as Box<dyn crate::engine::Constraint>
+            }),
         });
         let echo = spec.echo.then(|| match spec.logprobs {
             Some(_) => vec![Entry::unscored(&worker.tok, prompt_first)],

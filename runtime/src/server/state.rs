@@ -67,6 +67,27 @@ pub struct Worker {
     /// max_tokens when a request gives none (None: up to `max_seq`).
     pub default_max_tokens: Option<usize>,
     pub load_s: f64,
+    /// The vocabulary's bytes for JSON mode, built by the first request that asks for it.
+    pub json_vocab: std::sync::OnceLock<std::sync::Arc<crate::json_mode::Vocab>>,
+}
+
+impl Worker {
+    /// The vocabulary as JSON mode masks it (special tokens excluded).
+    pub fn json_vocab(&self) -> std::sync::Arc<crate::json_mode::Vocab> {
+        self.json_vocab
+            .get_or_init(|| {
+                let n = self.model_cfg.vocab_size;
+                let bytes = (0..n as u32)
+                    .map(|id| {
+                        (!self.tok.is_added(id))
+                            .then(|| self.tok.token_bytes(id))
+                            .filter(|b| !b.is_empty())
+                    })
+                    .collect();
+                std::sync::Arc::new(crate::json_mode::Vocab::new(bytes))
+            })
+            .clone()
+    }
 }
 
 /// What happens once a drain has finished.
