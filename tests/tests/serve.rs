@@ -798,6 +798,47 @@ fn logprobs_choices_and_logit_bias() {
         .unwrap();
     assert_eq!(stream_text(&sse_events(r)).0, content);
 
+    // Several prompts in one completions request, n = 2 each: choices prompt by prompt, each
+    // the text that prompt gets alone; each prompt's tokens counted once in the usage.
+    let ps = ["The capital of France is", "2 + 2 ="];
+    let alone: Vec<Value> = ps
+        .iter()
+        .map(|p| {
+            post(
+                &s,
+                "/v1/completions",
+                &json!({"prompt": p, "max_tokens": 3, "temperature": 0,
+                "ignore_eos": true}),
+            )
+            .1
+        })
+        .collect();
+    let (st, v) = post(
+        &s,
+        "/v1/completions",
+        &json!({"prompt": ps, "max_tokens": 3,
+        "temperature": 0, "ignore_eos": true, "n": 2}),
+    );
+    assert_eq!(st, 200, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 4, "{v}");
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        assert_eq!(c["text"], alone[i / 2]["choices"][0]["text"], "{v}");
+    }
+    let prompt_tokens: u64 = alone
+        .iter()
+        .map(|a| a["usage"]["prompt_tokens"].as_u64().unwrap())
+        .sum();
+    assert_eq!(v["usage"]["prompt_tokens"], prompt_tokens, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 12, "{v}");
+    let (st, _) = post(
+        &s,
+        "/v1/completions",
+        &json!({"prompt": vec!["x"; 40], "n": 2}),
+    );
+    assert_eq!(st, 400, "80 generations in one request");
+
     // A client that leaves an n = 3 stream frees all three sequences' blocks.
     let mut resp = client()
         .post(s.url("/v1/chat/completions"))

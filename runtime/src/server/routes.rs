@@ -94,17 +94,31 @@ enum Input {
     Prompt(Prompt),
 }
 
-/// A request's runs, started.
+/// A request's runs, started: `n` per prompt, prompt by prompt (the choices' order).
 struct Started {
     runs: Vec<Run>,
+    /// Choices per prompt.
+    n: usize,
     /// How long the request waited for a load.
     waited: Option<f64>,
-    /// With `echo`: the prompt's text, which the output starts with.
-    echo: Option<String>,
+    /// With `echo`: each prompt's text, which its choices' outputs start with.
+    echo: Vec<Option<String>>,
 }
 
-/// Checks, admits and starts a request's generations (`n` of them, one admission slot and one
-/// engine request each, sharing the prompt through the prefix cache).
+/// Most engine requests one HTTP request may make (prompts × n).
+const MAX_RUNS: usize = 64;
+
+/// How many prompts `input` holds.
+fn prompt_count(input: &Input) -> usize {
+    match input {
+        Input::Prompt(Prompt::Texts(v)) => v.len(),
+        Input::Prompt(Prompt::Batch(v)) => v.len(),
+        _ => 1,
+    }
+}
+
+/// Checks, admits and starts a request's generations (`n` per prompt, one admission slot and
+/// one engine request each; a prompt's choices share it through the prefix cache).
 async fn start(
     app: &Arc<App>,
     arrival: Instant,
@@ -116,6 +130,13 @@ async fn start(
     let logprobs = p.logprobs(form)?;
     let echo = p.echo(form)?;
     let n = p.choices()?;
+    let prompts = prompt_count(&input);
+    if prompts == 0 || prompts * n > MAX_RUNS {
+        return Err(ApiError::bad_request(format!(
+            "{prompts} prompts × n = {n}: give 1 to {MAX_RUNS} generations per request"
+        ))
+        .param("prompt"));
+    }
     if let Some(m) = &p.model {
         if m != &app.served_name && m != &app.opts.model_arg {
             return Err(ApiError::model_not_found(m, &app.served_name));
@@ -123,27 +144,32 @@ async fn start(
     }
     let sampling = p.sampling()?;
     let stop = p.stops()?;
-    let slots = (0..n).map(|_| app.admit()).collect::<Result<Vec<_>, _>>()?;
+    let mut slots = (0..prompts * n)
+        .map(|_| app.admit())
+        .collect::<Result<Vec<_>, _>>()?;
     let (w, waited) = app.worker().await?;
     let wt = w.clone();
     // Rendering and tokenizing a long prompt is CPU work: keep it off the async workers.
     let json = p.json_mode()?;
-    let (prompt, echo_text) = tokio::task::spawn_blocking(move || {
+    let prompts = tokio::task::spawn_blocking(move || {
         if json {
             wt.json_vocab(); // built once, here off the async workers
         }
-        let ids = prompt_ids(&wt, input)?;
-        // The echoed text: the client's own, or the decoded ids it sent.
-        let text = match (echo, &ids) {
-            (false, _) => None,
-            (true, (_, Some(t))) => Some(t.clone()),
-            (true, (ids, None)) => Some(
-                wt.tok
-                    .decode(ids, false)
-                    .map_err(|e| ApiError::bad_request(e.to_string()))?,
-            ),
-        };
-        Ok::<_, ApiError>((ids.0, text))
+        let mut out = Vec::new();
+        for (ids, text) in prompt_ids(&wt, input)? {
+            // The echoed text: the client's own, or the decoded ids it sent.
+            let text = match (echo, text) {
+                (false, _) => None,
+                (true, Some(t)) => Some(t),
+                (true, None) => Some(
+                    wt.tok
+                        .decode(&ids, false)
+                        .map_err(|e| ApiError::bad_request(e.to_string()))?,
+                ),
+            };
+            out.push((ids, text));
+        }
+        Ok::<_, ApiError>(out)
     })
     .await
     .map_err(|e| ApiError::internal(format!("tokenizer task: {e}")))??;
@@ -158,27 +184,35 @@ async fn start(
         echo,
         json,
     };
-    let spec = Spec::new(&w, prompt, asked)?;
-    let runs = slots
-        .into_iter()
-        .enumerate()
-        .map(|(i, slot)| {
+    // Every prompt is checked before any starts.
+    let mut specs = Vec::with_capacity(prompts.len());
+    let mut echoes = Vec::with_capacity(prompts.len() * n);
+    for (ids, text) in prompts {
+        specs.push(Spec::new(&w, ids, asked.clone())?);
+        echoes.extend(std::iter::repeat_n(text, n));
+    }
+    let mut runs = Vec::with_capacity(slots.len());
+    for spec in specs {
+        for (j, slot) in slots.drain(..n).enumerate() {
             let mut spec = spec.clone();
             // Seeded choices differ from each other and are each reproducible.
-            spec.sampling.seed = spec.sampling.seed.map(|s| s.wrapping_add(i as u64));
-            Run::start(w.clone(), spec, arrival, slot)
-        })
-        .collect();
+            spec.sampling.seed = spec.sampling.seed.map(|s| s.wrapping_add(j as u64));
+            runs.push(Run::start(w.clone(), spec, arrival, slot));
+        }
+    }
     Ok(Started {
         runs,
+        n,
         waited,
-        echo: echo_text,
+        echo: echoes,
     })
 }
 
-/// The prompt's token ids, and its text where the client sent text (not for chat, whose text
+/// Each prompt's token ids, and its text where the client sent text (not for chat, whose text
 /// the template makes).
-fn prompt_ids(w: &Worker, input: Input) -> Result<(Vec<u32>, Option<String>), ApiError> {
+type Prompts = Vec<(Vec<u32>, Option<String>)>;
+
+fn prompt_ids(w: &Worker, input: Input) -> Result<Prompts, ApiError> {
     let enc = |s: &str| {
         w.tok
             .encode(s, true)
@@ -189,18 +223,12 @@ fn prompt_ids(w: &Worker, input: Input) -> Result<(Vec<u32>, Option<String>), Ap
             let msgs = chat_messages(&m)?;
             let text = render_chat(&w.tok, &msgs, true)
                 .map_err(|e| ApiError::bad_request(e.to_string()).param("messages"))?;
-            Ok((enc(&text)?, None))
+            Ok(vec![(enc(&text)?, None)])
         }
-        Input::Prompt(Prompt::Text(s)) => Ok((enc(&s)?, Some(s))),
-        Input::Prompt(Prompt::Ids(v)) => Ok((v, None)),
-        Input::Prompt(Prompt::Texts(mut v)) if v.len() == 1 => {
-            let s = v.swap_remove(0);
-            Ok((enc(&s)?, Some(s)))
-        }
-        Input::Prompt(Prompt::Batch(mut v)) if v.len() == 1 => Ok((v.swap_remove(0), None)),
-        Input::Prompt(_) => {
-            Err(ApiError::bad_request("exactly one prompt per request").param("prompt"))
-        }
+        Input::Prompt(Prompt::Text(s)) => Ok(vec![(enc(&s)?, Some(s))]),
+        Input::Prompt(Prompt::Ids(v)) => Ok(vec![(v, None)]),
+        Input::Prompt(Prompt::Texts(v)) => v.into_iter().map(|s| Ok((enc(&s)?, Some(s)))).collect(),
+        Input::Prompt(Prompt::Batch(v)) => Ok(v.into_iter().map(|ids| (ids, None)).collect()),
     }
 }
 
@@ -358,11 +386,13 @@ struct StreamState {
     done: bool,
     chunker: Chunker,
     include_usage: bool,
-    /// Choices still generating, and the usage of those that finished.
+    /// Choices still generating, and the (prompt, usage) of those that finished.
     open: usize,
-    usage: Usage,
-    /// The prompt's text, with `echo`.
-    echo: Option<String>,
+    usages: Vec<(usize, Usage)>,
+    /// Choices per prompt.
+    n: usize,
+    /// Each choice's prompt text, with `echo`.
+    echo: Vec<Option<String>>,
 }
 
 /// An SSE stream of OpenAI chunks ending with `data: [DONE]`. Dropping it (the client went
@@ -373,7 +403,8 @@ fn sse(
     model: String,
     include_usage: bool,
     logprobs: bool,
-    echo: Option<String>,
+    n: usize,
+    echo: Vec<Option<String>>,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
     let mut chunker = Chunker {
         kind,
@@ -400,7 +431,8 @@ fn sse(
         done: false,
         chunker,
         include_usage,
-        usage: Usage::default(),
+        usages: Vec::new(),
+        n,
         echo,
     };
     Sse::new(stream::unfold(st, |mut st| async move {
@@ -413,7 +445,7 @@ fn sse(
             }
             match st.outputs.next().await {
                 Some((i, Out::Prompt(lp))) => {
-                    let text = st.echo.clone().unwrap_or_default();
+                    let text = st.echo[i].clone().unwrap_or_default();
                     let c = st.chunker.chunk(i, Some(&text), None, false, &lp);
                     st.queue.push_back(c)
                 }
@@ -424,11 +456,11 @@ fn sse(
                 Some((i, Out::Done(r, u))) => {
                     let c = st.chunker.chunk(i, None, Some(finish_str(r)), false, &[]);
                     st.queue.push_back(c);
-                    st.usage = st.usage.add_choice(&u);
+                    st.usages.push((i / st.n, u));
                     st.open -= 1;
                     if st.open == 0 {
                         if st.include_usage {
-                            let c = st.chunker.usage(&st.usage);
+                            let c = st.chunker.usage(&Usage::total(&st.usages));
                             st.queue.push_back(c);
                         }
                         st.queue.push_back(SseEvent::default().data("[DONE]"));
@@ -461,19 +493,24 @@ async fn openai(
     };
     let Started {
         mut runs,
+        n,
         waited,
         echo,
     } = start(app, arrival, input, p, form).await?;
     let model = app.served_name.clone();
     let want_lp = p.logprobs(form)?.is_some();
     if p.stream() {
-        let mut r = sse(runs, kind, model, p.include_usage(), want_lp, echo).into_response();
+        let mut r = sse(runs, kind, model, p.include_usage(), want_lp, n, echo).into_response();
         cold_headers(&mut r, None, waited);
         return Ok(r);
     }
-    let echo = echo.as_deref();
-    let wholes = futures_util::future::join_all(runs.iter_mut().map(|r| run_to_end(r, echo))).await;
-    let mut usage = Usage::default();
+    let wholes = futures_util::future::join_all(
+        runs.iter_mut()
+            .zip(&echo)
+            .map(|(r, e)| run_to_end(r, e.as_deref())),
+    )
+    .await;
+    let mut usages = Vec::with_capacity(wholes.len());
     let mut choices = Vec::with_capacity(wholes.len());
     for (index, w) in wholes.into_iter().enumerate() {
         let Whole {
@@ -482,7 +519,7 @@ async fn openai(
             reason,
             usage: u,
         } = w?;
-        usage = usage.add_choice(&u);
+        usages.push((index / n, u));
         choices.push(match kind {
             Kind::Chat => {
                 json!({"index": index, "message": {"role": "assistant", "content": text},
@@ -500,7 +537,7 @@ async fn openai(
     };
     let mut r = Json(json!({
         "id": id, "object": object, "created": unix_now(), "model": model,
-        "choices": choices, "usage": usage.json(),
+        "choices": choices, "usage": Usage::total(&usages).json(),
     }))
     .into_response();
     cold_headers(&mut r, runs[0].queue_s, waited);
@@ -564,6 +601,9 @@ pub async fn invoke(State(app): AppState, headers: HeaderMap, body: Body) -> Res
                 "/invoke answers with one text; use /v1/chat/completions for n > 1",
             )
             .param("n"));
+        }
+        if prompt_count(&input) != 1 {
+            return Err(ApiError::bad_request("/invoke takes one prompt").param("prompt"));
         }
         let Started {
             mut runs, waited, ..

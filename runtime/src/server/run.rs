@@ -36,6 +36,7 @@ pub struct Spec {
 }
 
 /// What a request asks for besides its prompt (parsed from the body, checked by [`Spec::new`]).
+#[derive(Clone)]
 pub struct Asked {
     pub max_tokens: Option<u64>,
     pub sampling: SamplingParams,
@@ -144,13 +145,22 @@ pub struct Usage {
 }
 
 impl Usage {
-    /// The usage of a request with one more choice `c`: the prompt counts once (the choices
-    /// share it), completions add up.
-    pub fn add_choice(&self, c: &Usage) -> Usage {
+    /// A request's usage from its choices' (prompt index, usage): each prompt counts once
+    /// however many choices share it (its cached tokens: the most any of them found),
+    /// completions add up.
+    pub fn total(choices: &[(usize, Usage)]) -> Usage {
+        let mut per_prompt: std::collections::BTreeMap<usize, Usage> = Default::default();
+        let mut completion_tokens = 0;
+        for (p, u) in choices {
+            completion_tokens += u.completion_tokens;
+            let e = per_prompt.entry(*p).or_default();
+            e.prompt_tokens = u.prompt_tokens;
+            e.cached_tokens = e.cached_tokens.max(u.cached_tokens);
+        }
         Usage {
-            prompt_tokens: c.prompt_tokens,
-            completion_tokens: self.completion_tokens + c.completion_tokens,
-            cached_tokens: self.cached_tokens.max(c.cached_tokens),
+            prompt_tokens: per_prompt.values().map(|u| u.prompt_tokens).sum(),
+            completion_tokens,
+            cached_tokens: per_prompt.values().map(|u| u.cached_tokens).sum(),
         }
     }
 
