@@ -1,4 +1,5 @@
-//! `thaw serve` over real HTTP on 127.0.0.1: the OpenAI API (also through the official Python
+//! `thaw serve` over real HTTP on 127.0.0.1: the OpenAI API (with log probabilities, n, JSON
+//! mode, echo; also through the official Python
 //! client), /invoke, health and readiness, Prometheus metrics checked by promtool, every error
 //! status, overload, client disconnects, SIGTERM drain and a thousand malformed bodies.
 
@@ -545,6 +546,44 @@ fn overload_gets_429_and_server_stays_healthy() {
     );
     assert_eq!(st, 200);
     assert_eq!(s.status("/health"), 200);
+}
+
+/// `/tokenize` counts what a request will be charged (chat template included), `/detokenize`
+/// inverts it, bad ids and unknown models are refused.
+#[test]
+fn tokenize_and_detokenize() {
+    model_dir("default");
+    let s = Server::ready(&[]);
+    let msgs = json!([{"role": "user", "content": "What is the capital of France?"}]);
+    let (st, t) = post(&s, "/tokenize", &json!({"messages": msgs}));
+    assert_eq!(st, 200, "{t}");
+    let (_, v) = post(
+        &s,
+        "/v1/chat/completions",
+        &json!({"messages": msgs, "max_tokens": 1}),
+    );
+    assert_eq!(t["count"], v["usage"]["prompt_tokens"], "{t} {v}");
+    assert_eq!(
+        t["tokens"].as_array().unwrap().len() as u64,
+        t["count"].as_u64().unwrap()
+    );
+    assert!(t["max_model_len"].as_u64().unwrap() > 1000);
+    let text = "Ünïcode, <|im_start|> and  spaces";
+    let (_, t) = post(&s, "/tokenize", &json!({"prompt": text}));
+    let (st, d) = post(&s, "/detokenize", &json!({"tokens": t["tokens"]}));
+    assert_eq!(st, 200, "{d}");
+    assert_eq!(d["prompt"], text);
+    for (path, body, status) in [
+        ("/tokenize", json!({}), 400),
+        ("/tokenize", json!({"prompt": "x", "messages": msgs}), 400),
+        ("/tokenize", json!({"prompt": "x", "model": "nope"}), 404),
+        ("/detokenize", json!({"tokens": [49152]}), 400),
+        ("/detokenize", json!({"tokens": "abc"}), 400),
+    ] {
+        let (st, v) = post(&s, path, &body);
+        assert_eq!(st, status, "{path} {body} {v}");
+        assert!(v["error"]["message"].is_string(), "{v}");
+    }
 }
 
 /// Log probabilities in both APIs' forms, streamed and not; `n` choices; `logit_bias`.

@@ -25,6 +25,7 @@ pub mod routes;
 pub mod run;
 pub mod state;
 pub mod telemetry;
+mod tokenize;
 pub mod webhook;
 
 use std::future::IntoFuture;
@@ -214,6 +215,8 @@ pub fn router(app: Arc<App>, max_body_bytes: usize) -> Router {
         .route("/v1/completions", post(routes::completions))
         .route("/v1/models", get(routes::models))
         .route("/invoke", post(routes::invoke))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
         .route("/health", get(routes::health))
         .route("/ready", get(routes::ready))
         .route("/metrics", get(routes::metrics))

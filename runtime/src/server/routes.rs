@@ -28,8 +28,8 @@ use super::state::{App, State as Life, Worker};
 use crate::chat::render_chat;
 use crate::generate::FinishReason;
 
-type AppState = State<Arc<App>>;
-type Body = Result<Bytes, BytesRejection>;
+pub(crate) type AppState = State<Arc<App>>;
+pub(crate) type Body = Result<Bytes, BytesRejection>;
 
 fn unix_now() -> u64 {
     SystemTime::now()
@@ -71,7 +71,7 @@ pub(crate) fn bearer(headers: &HeaderMap) -> Option<&str> {
         .map(str::trim)
 }
 
-fn check_auth(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
+pub(crate) fn check_auth(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
     if app.authorized(bearer(headers)) {
         Ok(())
     } else {
@@ -79,7 +79,7 @@ fn check_auth(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
     }
 }
 
-fn body_bytes(b: Body) -> Result<Bytes, ApiError> {
+pub(crate) fn body_bytes(b: Body) -> Result<Bytes, ApiError> {
     b.map_err(|r| {
         if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::too_large(super::MAX_BODY_BYTES.load(Ordering::Relaxed) as usize)
