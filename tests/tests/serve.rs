@@ -1,7 +1,7 @@
-//! `thaw serve` over real HTTP on 127.0.0.1: the OpenAI API (with log probabilities, n, JSON
-//! mode, echo; also through the official Python
-//! client), /invoke, health and readiness, Prometheus metrics checked by promtool, every error
-//! status, overload, client disconnects, SIGTERM drain and a thousand malformed bodies.
+//! `thaw serve` over real HTTP on 127.0.0.1: the OpenAI API (log probabilities, n, JSON mode,
+//! echo; also through the official Python client), /invoke, /tokenize, health and readiness,
+//! Prometheus metrics checked by promtool, every error status, overload, client disconnects,
+//! SIGTERM drain and a thousand malformed bodies.
 
 use std::io::Read;
 use std::process::Command;
