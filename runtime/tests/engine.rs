@@ -477,3 +477,39 @@ fn json_mode_outputs_parse_as_objects() {
     assert!(closed >= 2, "only {closed} of 4 objects closed");
     wait_idle(&e);
 }
+
+/// Requests that arrive together behind one prompt (n choices, a shared system prompt): the
+/// first computes the shared full blocks, the others wait for them to reach the prefix cache
+/// instead of computing them too — and every request still gets the tokens it gets alone.
+#[test]
+fn siblings_wait_for_a_shared_prefix_instead_of_recomputing_it() {
+    let (m, tok) = setup();
+    let shared: Vec<u32> = prompts(8).concat(); // several full blocks
+    let bs = EngineConfig::with_kv_bytes(&**m, 1 << 26).block_size;
+    let full = (shared.len() / bs) * bs;
+    let ps: Vec<Vec<u32>> = (0..4)
+        .map(|i| {
+            let mut p = shared[..full].to_vec();
+            p.extend(&prompts(4)[i]); // each its own question after the shared part
+            p
+        })
+        .collect();
+    let want: Vec<Vec<u32>> = ps.iter().map(|p| alone(p, 6)).collect();
+    let e = Engine::start(m.clone(), cfg(m, 256, 512)).unwrap();
+    let streams: Vec<_> = ps
+        .iter()
+        .map(|p| e.submit(request(p.clone(), 6, eos(m, tok))))
+        .collect();
+    let mut cached = vec![];
+    for (i, s) in streams.into_iter().enumerate() {
+        let (ids, fin) = s.collect();
+        assert_eq!(ids, want[i], "request {i}");
+        match fin {
+            Event::Finished { cached_tokens, .. } => cached.push(cached_tokens),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(cached[0], 0);
+    assert!(cached[1..].iter().all(|&c| c == full), "{cached:?} (shared {full})");
+    wait_idle(&e);
+}
