@@ -14,7 +14,7 @@
 
 use std::sync::Arc;
 
-use crate::engine::Constraint;
+use crate::constraint::Constraint;
 
 /// Deepest nesting accepted.
 const MAX_DEPTH: usize = 32;

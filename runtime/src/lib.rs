@@ -20,6 +20,7 @@
 pub mod chat;
 pub mod compare;
 pub mod config;
+pub mod constraint;
 pub mod convert;
 pub mod device;
 pub mod device_model;

@@ -510,6 +510,9 @@ fn siblings_wait_for_a_shared_prefix_instead_of_recomputing_it() {
         }
     }
     assert_eq!(cached[0], 0);
-    assert!(cached[1..].iter().all(|&c| c == full), "{cached:?} (shared {full})");
+    assert!(
+        cached[1..].iter().all(|&c| c == full),
+        "{cached:?} (shared {full})"
+    );
     wait_idle(&e);
 }
