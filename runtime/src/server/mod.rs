@@ -23,6 +23,7 @@ pub mod logprobs;
 pub mod metrics;
 pub mod routes;
 pub mod run;
+mod sse;
 pub mod state;
 pub mod telemetry;
 mod tokenize;
