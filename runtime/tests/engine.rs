@@ -40,6 +40,17 @@ fn request(prompt: Vec<u32>, max_tokens: usize, stop_ids: Vec<u32>) -> Request {
     }
 }
 
+/// A user message through the chat template, ready for the assistant's answer.
+fn chat_prompt(content: &str) -> Vec<u32> {
+    let (_, tok) = setup();
+    let msg = thaw_runtime::ChatMessage {
+        role: "user".into(),
+        content: content.into(),
+    };
+    let text = thaw_runtime::render_chat(tok, &[msg], true).unwrap();
+    tok.encode(&text, true).unwrap()
+}
+
 /// The reference: the single-sequence generation loop, no engine.
 fn alone(prompt: &[u32], max_tokens: usize) -> Vec<u32> {
     let (m, tok) = setup();
@@ -315,18 +326,8 @@ fn logit_bias_bans_a_token() {
 /// after a few tokens goes on (the same tokens first), then may stop again.
 #[test]
 fn min_tokens_holds_off_the_stop_ids() {
-    use thaw_runtime::{render_chat, ChatMessage};
     let (m, tok) = setup();
-    let text = render_chat(
-        tok,
-        &[ChatMessage {
-            role: "user".into(),
-            content: "What is the capital of France?".into(),
-        }],
-        true,
-    )
-    .unwrap();
-    let prompt = tok.encode(&text, true).unwrap();
+    let prompt = chat_prompt("What is the capital of France?");
     let e = Engine::start(m.clone(), cfg(m, 64, 512)).unwrap();
     let (short, fin) = e.submit(request(prompt.clone(), 64, eos(m, tok))).collect();
     assert!(
@@ -420,23 +421,13 @@ fn prompt_logprobs_score_every_prompt_token() {
 #[test]
 fn json_mode_outputs_parse_as_objects() {
     use thaw_runtime::json_mode::{JsonObject, JsonState, Vocab};
-    use thaw_runtime::{render_chat, ChatMessage};
     let (m, tok) = setup();
     let vocab = Arc::new(Vocab::new(
         (0..m.cfg.vocab_size as u32)
             .map(|id| (!tok.is_added(id)).then(|| tok.token_bytes(id)))
             .collect(),
     ));
-    let text = render_chat(
-        tok,
-        &[ChatMessage {
-            role: "user".into(),
-            content: "Describe a city as JSON with its name and population.".into(),
-        }],
-        true,
-    )
-    .unwrap();
-    let prompt = tok.encode(&text, true).unwrap();
+    let prompt = chat_prompt("Describe a city as JSON with its name and population.");
     let e = Engine::start(m.clone(), cfg(m, 128, 512)).unwrap();
     let streams: Vec<_> = (0..4)
         .map(|i| {

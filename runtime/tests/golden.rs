@@ -42,6 +42,16 @@ fn messages(v: &Value) -> Vec<ChatMessage> {
     serde_json::from_value(v.clone()).unwrap()
 }
 
+/// The texts of the golden tokenization cases.
+fn golden_texts() -> Vec<String> {
+    golden()["tokenize"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["text"].as_str().unwrap().to_string())
+        .collect()
+}
+
 #[test]
 fn tokenization_matches_llama_cpp() {
     let tok = TextTokenizer::load(&model(OutDtype::Bf16)).unwrap();
@@ -62,12 +72,7 @@ fn tokenization_matches_llama_cpp() {
 #[test]
 fn token_bytes_concatenate_to_the_text() {
     let tok = TextTokenizer::load(&model(OutDtype::Bf16)).unwrap();
-    let mut texts: Vec<String> = golden()["tokenize"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["text"].as_str().unwrap().to_string())
-        .collect();
+    let mut texts = golden_texts();
     texts.push("tabs\t, NUL \u{0}, emoji 🧊 and 日本語, <|im_start|>user".into());
     let mut partial = false;
     for text in &texts {
@@ -94,12 +99,7 @@ fn fast_tokenizer_load_equals_the_reference_loader() {
     let bytes = std::fs::read(&path).unwrap();
     let fast = thaw_runtime::tokenizer::fast::bpe_from_json(&bytes).expect("fast path applies");
     let slow = tokenizers::Tokenizer::from_bytes(&bytes).unwrap();
-    let mut texts: Vec<String> = golden()["tokenize"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["text"].as_str().unwrap().to_string())
-        .collect();
+    let mut texts = golden_texts();
     texts.push("<|im_start|>user\nÜber 1234 naïve 🙂 tokens<|im_end|>".into());
     for t in &texts {
         let (a, b) = (
