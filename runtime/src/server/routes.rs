@@ -102,6 +102,8 @@ struct Started {
     waited: Option<f64>,
     /// With `echo`: each prompt's text, which its choices' outputs start with.
     echo: Vec<Option<String>>,
+    /// The request asked for log probabilities.
+    logprobs: bool,
 }
 
 /// Most engine requests one HTTP request may make (prompts × n).
@@ -204,6 +206,7 @@ async fn start(
         n,
         waited,
         echo: echoes,
+        logprobs: logprobs.is_some(),
     })
 }
 
@@ -302,9 +305,9 @@ async fn openai(
         n,
         waited,
         echo,
+        logprobs: want_lp,
     } = start(app, arrival, input, p, form).await?;
     let model = app.served_name.clone();
-    let want_lp = p.logprobs(form)?.is_some();
     if p.stream() {
         let mut r = sse(runs, kind, model, p.include_usage(), want_lp, n, echo).into_response();
         cold_headers(&mut r, None, waited);
