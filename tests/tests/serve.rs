@@ -878,6 +878,50 @@ fn logprobs_choices_and_logit_bias() {
     );
     assert_eq!(st, 400, "80 generations in one request");
 
+    // best_of 4, n 2: the two likeliest (summed log probability) of the four candidates that
+    // n = 4 with the same seed gives, likeliest first; all four candidates in the usage.
+    let body = json!({"prompt": "Once upon a time", "max_tokens": 6, "temperature": 1.0,
+        "seed": 5, "ignore_eos": true, "n": 4, "logprobs": 0});
+    let (_, all) = post(&s, "/v1/completions", &body);
+    let mut scored: Vec<(f64, String)> = all["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            let lp = c["logprobs"]["token_logprobs"].as_array().unwrap();
+            (
+                lp.iter().map(|l| l.as_f64().unwrap()).sum(),
+                c["text"].as_str().unwrap().into(),
+            )
+        })
+        .collect();
+    scored.sort_by(|a, b| b.0.total_cmp(&a.0));
+    let mut best = body.clone();
+    best["n"] = json!(2);
+    best["best_of"] = json!(4);
+    best.as_object_mut().unwrap().remove("logprobs");
+    let (st, v) = post(&s, "/v1/completions", &best);
+    assert_eq!(st, 200, "{v}");
+    let got: Vec<&str> = v["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        got,
+        vec![scored[0].1.as_str(), scored[1].1.as_str()],
+        "{scored:?}"
+    );
+    assert!(v["choices"][0]["logprobs"].is_null(), "not asked for: {v}");
+    assert_eq!(v["usage"]["completion_tokens"], 24, "{v}");
+    best["stream"] = json!(true);
+    assert_eq!(
+        post(&s, "/v1/completions", &best).0,
+        400,
+        "best_of > n cannot stream"
+    );
+
     // A client that leaves an n = 3 stream frees all three sequences' blocks.
     let mut resp = client()
         .post(s.url("/v1/chat/completions"))

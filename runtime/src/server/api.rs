@@ -1,5 +1,5 @@
 //! The OpenAI request bodies this worker accepts, and their checks. Parameters it cannot honour
-//! (best_of, tools, chat's echo, ...) are refused with a 400 that names them, never silently ignored;
+//! (tools, chat's echo, JSON schemas, ...) are refused with a 400 that names them, never silently ignored;
 //! fields that change nothing about the output (`user`, `metadata`) are accepted. Log
 //! probabilities take each API's own form: chat's `logprobs: true` + `top_logprobs: 0..=20`,
 //! completions' `logprobs: 0..=20`.
@@ -99,9 +99,6 @@ impl Params {
         let unsupported = |p: &'static str, what: &str| {
             Err(ApiError::bad_request(format!("{what} is not supported by this worker")).param(p))
         };
-        if self.best_of.unwrap_or(1) != 1 {
-            return unsupported("best_of", "best_of other than 1");
-        }
         if truthy(&self.tools) || truthy(&self.tool_choice) {
             return unsupported("tools", "tool calling");
         }
@@ -148,6 +145,25 @@ impl Params {
                 ApiError::bad_request(format!("n must be from 1 to {MAX_CHOICES}, got {n}"))
                     .param("n"),
             ),
+        }
+    }
+
+    /// How many candidates each prompt gets (`best_of`, the completions API's: from `n` up to
+    /// [`MAX_CHOICES`]; the `n` likeliest are returned, so it cannot stream when larger).
+    pub fn candidates(&self, form: LogprobsForm, n: usize) -> Result<usize, ApiError> {
+        let bad = |m: String| Err(ApiError::bad_request(m).param("best_of"));
+        match self.best_of {
+            None => Ok(n),
+            Some(b) if form != LogprobsForm::Completion && b as usize != n => {
+                bad("best_of is taken by /v1/completions only".into())
+            }
+            Some(b) if (b as usize) < n || b > MAX_CHOICES => bad(format!(
+                "best_of must be from n ({n}) to {MAX_CHOICES}, got {b}"
+            )),
+            Some(b) if b as usize > n && self.stream() => {
+                bad("best_of larger than n cannot stream (the best are known at the end)".into())
+            }
+            Some(b) => Ok(b as usize),
         }
     }
 
@@ -462,8 +478,24 @@ mod tests {
             let p: CompletionRequest = parse(bad.as_bytes()).unwrap();
             assert!(p.params.choices().is_err(), "{bad}");
         }
-        let p: CompletionRequest = parse(br#"{"prompt":"x","best_of":2}"#).unwrap();
-        assert!(p.params.check_supported().is_err());
+        let cands = |body: &str, form| {
+            let p: CompletionRequest = parse(body.as_bytes()).unwrap();
+            p.params.candidates(form, p.params.choices().unwrap()).ok()
+        };
+        let c = LogprobsForm::Completion;
+        assert_eq!(cands(r#"{"prompt":"x","best_of":3,"n":2}"#, c), Some(3));
+        assert_eq!(cands(r#"{"prompt":"x","n":2}"#, c), Some(2));
+        for bad in [
+            r#"{"prompt":"x","best_of":1,"n":2}"#,
+            r#"{"prompt":"x","best_of":17}"#,
+            r#"{"prompt":"x","best_of":2,"stream":true}"#,
+        ] {
+            assert_eq!(cands(bad, c), None, "{bad}");
+        }
+        assert_eq!(
+            cands(r#"{"prompt":"x","best_of":2}"#, LogprobsForm::Chat),
+            None
+        );
         let p: CompletionRequest = parse(br#"{"prompt":"x","temperature":1e300}"#).unwrap();
         assert!(p.params.sampling().is_err());
     }

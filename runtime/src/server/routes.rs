@@ -93,11 +93,14 @@ enum Input {
     Prompt(Prompt),
 }
 
-/// A request's runs, started: `n` per prompt, prompt by prompt (the choices' order).
+/// A request's runs, started: `n` per prompt (or `best_of` candidates), prompt by prompt (the
+/// choices' order).
 struct Started {
     runs: Vec<Run>,
-    /// Choices per prompt.
+    /// Runs per prompt.
     n: usize,
+    /// Choices per prompt to answer with (fewer than `n`: the likeliest of the candidates).
+    keep: usize,
     /// How long the request waited for a load.
     waited: Option<f64>,
     /// With `echo`: each prompt's text, which its choices' outputs start with.
@@ -130,7 +133,8 @@ async fn start(
     p.check_supported()?;
     let logprobs = p.logprobs(form)?;
     let echo = p.echo(form)?;
-    let n = p.choices()?;
+    let keep = p.choices()?;
+    let n = p.candidates(form, keep)?;
     let prompts = prompt_count(&input);
     if prompts == 0 || prompts * n > MAX_RUNS {
         return Err(ApiError::bad_request(format!(
@@ -179,7 +183,8 @@ async fn start(
         sampling,
         stop,
         ignore_eos: p.ignore_eos.unwrap_or(false),
-        logprobs,
+        // Ranking candidates needs each token's log probability, asked for or not.
+        logprobs: logprobs.or((n > keep).then_some(0)),
         stop_token_ids: p.stop_token_ids()?,
         min_tokens: p.min_tokens,
         echo,
@@ -204,6 +209,7 @@ async fn start(
     Ok(Started {
         runs,
         n,
+        keep,
         waited,
         echo: echoes,
         logprobs: logprobs.is_some(),
@@ -257,13 +263,15 @@ fn cold_headers(resp: &mut Response, run_queue_s: Option<f64>, waited: Option<f6
 struct Whole {
     text: String,
     logprobs: Vec<Entry>,
+    /// The generated tokens' log probabilities summed (`best_of`'s ranking), where known.
+    score: f64,
     reason: FinishReason,
     usage: Usage,
 }
 
 /// Drives a run to its end; its text starts with `echo` (the prompt) where asked.
 async fn run_to_end(run: &mut Run, echo: Option<&str>) -> Result<Whole, ApiError> {
-    let (mut text, mut logprobs) = (String::new(), Vec::new());
+    let (mut text, mut logprobs, mut score) = (String::new(), Vec::new(), 0.0);
     while let Some(o) = run.next().await {
         match o {
             Out::Prompt(lp) => {
@@ -272,12 +280,14 @@ async fn run_to_end(run: &mut Run, echo: Option<&str>) -> Result<Whole, ApiError
             }
             Out::Text(t, lp) => {
                 text.push_str(&t);
+                score += lp.iter().map(|e| e.chosen.logprob).sum::<f64>();
                 logprobs.extend(lp);
             }
             Out::Done(reason, usage) => {
                 return Ok(Whole {
                     text,
                     logprobs,
+                    score,
                     reason,
                     usage,
                 })
@@ -303,6 +313,7 @@ async fn openai(
     let Started {
         mut runs,
         n,
+        keep,
         waited,
         echo,
         logprobs: want_lp,
@@ -319,16 +330,33 @@ async fn openai(
             .map(|(r, e)| run_to_end(r, e.as_deref())),
     )
     .await;
-    let mut usages = Vec::with_capacity(wholes.len());
-    let mut choices = Vec::with_capacity(wholes.len());
-    for (index, w) in wholes.into_iter().enumerate() {
+    let wholes = wholes.into_iter().collect::<Result<Vec<_>, _>>()?;
+    // Every candidate's tokens count in the usage; each prompt's `keep` likeliest are answered.
+    let usages: Vec<(usize, Usage)> = wholes
+        .iter()
+        .enumerate()
+        .map(|(i, w)| (i / n, w.usage))
+        .collect();
+    let mut kept = Vec::with_capacity(wholes.len());
+    let mut group = Vec::with_capacity(n);
+    for w in wholes {
+        group.push(w);
+        if group.len() == n {
+            if keep < n {
+                group.sort_by(|a, b| b.score.total_cmp(&a.score));
+                group.truncate(keep);
+            }
+            kept.append(&mut group);
+        }
+    }
+    let mut choices = Vec::with_capacity(kept.len());
+    for (index, w) in kept.into_iter().enumerate() {
         let Whole {
             text,
             logprobs,
             reason,
-            usage: u,
-        } = w?;
-        usages.push((index / n, u));
+            ..
+        } = w;
         choices.push(match kind {
             Kind::Chat => {
                 json!({"index": index, "message": {"role": "assistant", "content": text},
