@@ -267,6 +267,15 @@ fn metrics_pass_promtool_and_count_requests() {
         3.0
     );
     assert!(s.metric("thaw_generation_tokens_total") >= 12.0);
+    assert_eq!(s.metric("thaw_request_params_max_tokens_sum"), 12.0);
+    let (st, _) = post(
+        &s,
+        "/v1/completions",
+        &json!({"prompt": "Hi", "max_tokens": 2, "n": 3}),
+    );
+    assert_eq!(st, 200);
+    assert_eq!(s.metric("thaw_request_params_n_sum"), 6.0);
+    assert_eq!(s.metric("thaw_request_params_n_count"), 4.0);
     assert_eq!(s.metric("thaw_state{state=\"ready\"}"), 1.0);
     assert!(s.metric("thaw_model_load_bytes") > 2e8);
     post(&s, "/v1/completions", &json!({"prompt": 5}));
@@ -289,6 +298,8 @@ fn metrics_pass_promtool_and_count_requests() {
         "thaw_prefix_cache_hits_total",
         "thaw_prefix_cache_queries_total",
         "thaw_model_load_seconds",
+        "thaw_request_params_n",
+        "thaw_request_params_max_tokens",
     ] {
         assert!(text.contains(&format!("# TYPE {name} ")), "{name} missing");
     }

@@ -36,6 +36,8 @@ pub const STATE: &str = "thaw_state";
 pub const COLD_START_PHASE: &str = "thaw_cold_start_phase_seconds";
 pub const WEBHOOK_FAILURES: &str = "thaw_webhook_failures_total";
 pub const WEBHOOK_EVENTS: &str = "thaw_webhook_events_total";
+pub const PARAMS_N: &str = "thaw_request_params_n";
+pub const PARAMS_MAX_TOKENS: &str = "thaw_request_params_max_tokens";
 
 /// Lifecycle states, as the `state` label of [`STATE`].
 pub const STATES: [&str; 5] = ["cold", "loading", "ready", "draining", "parked"];
@@ -46,6 +48,10 @@ pub struct Metrics {
     pub itl: Histogram,
     pub e2e: Histogram,
     pub queue: Histogram,
+    /// Choices asked for per prompt (`n`), per request.
+    pub params_n: Histogram,
+    /// The output limit each generation runs under (`max_tokens`, or the default it got).
+    pub params_max_tokens: Histogram,
     running: IntGauge,
     waiting: IntGauge,
     kv_usage: Gauge,
@@ -111,6 +117,19 @@ impl Metrics {
                 &[
                     0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                     120.0, 480.0,
+                ],
+            ),
+            params_n: histogram(
+                PARAMS_N,
+                "Choices asked for per prompt (n) by each request.",
+                &[1.0, 2.0, 5.0, 10.0, 20.0],
+            ),
+            params_max_tokens: histogram(
+                PARAMS_MAX_TOKENS,
+                "Output-token limit of each request (max_tokens, or the default it got).",
+                &[
+                    1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0,
+                    10000.0, 20000.0, 50000.0, 100000.0,
                 ],
             ),
             running: IntGauge::new(RUNNING, "Requests being computed (prefill or decode).")
@@ -183,6 +202,8 @@ impl Metrics {
             Box::new(m.itl.clone()),
             Box::new(m.e2e.clone()),
             Box::new(m.queue.clone()),
+            Box::new(m.params_n.clone()),
+            Box::new(m.params_max_tokens.clone()),
             Box::new(m.running.clone()),
             Box::new(m.waiting.clone()),
             Box::new(m.kv_usage.clone()),

@@ -197,6 +197,10 @@ async fn start(
         specs.push(Spec::new(&w, ids, asked.clone())?);
         echoes.extend(std::iter::repeat_n(text, n));
     }
+    METRICS.params_n.observe(keep as f64);
+    if let Some(s) = specs.first() {
+        METRICS.params_max_tokens.observe(s.max_tokens as f64);
+    }
     let mut runs = Vec::with_capacity(slots.len());
     for spec in specs {
         for (j, slot) in slots.drain(..n).enumerate() {
