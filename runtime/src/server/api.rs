@@ -68,12 +68,14 @@ pub struct Params {
     pub logprobs: Option<Value>,
     pub top_logprobs: Option<Value>,
     pub logit_bias: Option<Value>,
+    /// `text` or `json_object` ([`Params::json_mode`]).
+    pub response_format: Option<Value>,
+    /// Completions only ([`Params::echo`], [`Params::candidates`]).
+    pub echo: Option<bool>,
+    pub best_of: Option<u64>,
     // Refused when set to anything that would change the answer.
     pub tools: Option<Value>,
     pub tool_choice: Option<Value>,
-    pub response_format: Option<Value>,
-    pub echo: Option<bool>,
-    pub best_of: Option<u64>,
     pub suffix: Option<Value>,
 }
 
