@@ -18,15 +18,16 @@ pub const MAX_CHOICES: u64 = 16;
 /// OpenAI allows 300 biased tokens per request.
 const MAX_LOGIT_BIAS: usize = 300;
 
-/// Which API's reading of `logprobs` / `top_logprobs` applies.
+/// The route a request came by: fields the routes read differently (`logprobs`) or only some
+/// take (`echo`, `best_of`) are checked against it.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub enum LogprobsForm {
-    /// `logprobs: true`, `top_logprobs: k`.
+pub enum Route {
+    /// `/v1/chat/completions`: `logprobs: true`, `top_logprobs: k`.
     Chat,
-    /// `logprobs: k`.
-    Completion,
-    /// Not offered (`/invoke`).
-    Refused,
+    /// `/v1/completions`: `logprobs: k`, `echo`, `best_of`.
+    Completions,
+    /// `/invoke`: no log probabilities.
+    Invoke,
 }
 
 #[derive(Debug, Deserialize)]
@@ -130,9 +131,9 @@ impl Params {
 
     /// Whether the output starts with the prompt (`echo`: the completions API only; with
     /// `logprobs`, the prompt's tokens are scored too).
-    pub fn echo(&self, form: LogprobsForm) -> Result<bool, ApiError> {
-        match (self.echo.unwrap_or(false), form) {
-            (false, _) | (true, LogprobsForm::Completion) => Ok(self.echo.unwrap_or(false)),
+    pub fn echo(&self, route: Route) -> Result<bool, ApiError> {
+        match (self.echo.unwrap_or(false), route) {
+            (false, _) | (true, Route::Completions) => Ok(self.echo.unwrap_or(false)),
             (true, _) => {
                 Err(ApiError::bad_request("echo is taken by /v1/completions only").param("echo"))
             }
@@ -152,11 +153,11 @@ impl Params {
 
     /// How many candidates each prompt gets (`best_of`, the completions API's: from `n` up to
     /// [`MAX_CHOICES`]; the `n` likeliest are returned, so it cannot stream when larger).
-    pub fn candidates(&self, form: LogprobsForm, n: usize) -> Result<usize, ApiError> {
+    pub fn candidates(&self, route: Route, n: usize) -> Result<usize, ApiError> {
         let bad = |m: String| Err(ApiError::bad_request(m).param("best_of"));
         match self.best_of {
             None => Ok(n),
-            Some(b) if form != LogprobsForm::Completion && b as usize != n => {
+            Some(b) if route != Route::Completions && b as usize != n => {
                 bad("best_of is taken by /v1/completions only".into())
             }
             Some(b) if (b as usize) < n || b > MAX_CHOICES => bad(format!(
@@ -170,8 +171,8 @@ impl Params {
     }
 
     /// How many alternatives' log probabilities each generated token should carry (`None`: no
-    /// log probabilities), read the way `form`'s API defines the fields.
-    pub fn logprobs(&self, form: LogprobsForm) -> Result<Option<usize>, ApiError> {
+    /// log probabilities), read the way `route`'s API defines the fields.
+    pub fn logprobs(&self, route: Route) -> Result<Option<usize>, ApiError> {
         let bad = |p: &'static str, m: String| ApiError::bad_request(m).param(p);
         let count = |p: &'static str, v: &Value| match v.as_u64() {
             Some(k) if k as usize <= MAX_TOP_LOGPROBS => Ok(k as usize),
@@ -180,8 +181,8 @@ impl Params {
                 format!("{p} must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {v}"),
             )),
         };
-        match form {
-            LogprobsForm::Chat => {
+        match route {
+            Route::Chat => {
                 let on = match set(&self.logprobs) {
                     None => false,
                     Some(Value::Bool(b)) => *b,
@@ -204,7 +205,7 @@ impl Params {
                     (true, top) => Ok(Some(top.unwrap_or(0))),
                 }
             }
-            LogprobsForm::Completion => {
+            Route::Completions => {
                 if set(&self.top_logprobs).is_some() {
                     return Err(bad(
                         "top_logprobs",
@@ -215,7 +216,7 @@ impl Params {
                     .map(|v| count("logprobs", v))
                     .transpose()
             }
-            LogprobsForm::Refused => {
+            Route::Invoke => {
                 if truthy(&self.logprobs) || truthy(&self.top_logprobs) {
                     return Err(bad(
                         "logprobs",
@@ -484,7 +485,7 @@ mod tests {
             let p: CompletionRequest = parse(body.as_bytes()).unwrap();
             p.params.candidates(form, p.params.choices().unwrap()).ok()
         };
-        let c = LogprobsForm::Completion;
+        let c = Route::Completions;
         assert_eq!(cands(r#"{"prompt":"x","best_of":3,"n":2}"#, c), Some(3));
         assert_eq!(cands(r#"{"prompt":"x","n":2}"#, c), Some(2));
         for bad in [
@@ -494,17 +495,14 @@ mod tests {
         ] {
             assert_eq!(cands(bad, c), None, "{bad}");
         }
-        assert_eq!(
-            cands(r#"{"prompt":"x","best_of":2}"#, LogprobsForm::Chat),
-            None
-        );
+        assert_eq!(cands(r#"{"prompt":"x","best_of":2}"#, Route::Chat), None);
         let p: CompletionRequest = parse(br#"{"prompt":"x","temperature":1e300}"#).unwrap();
         assert!(p.params.sampling().is_err());
     }
 
     #[test]
     fn logprobs_in_each_apis_form() {
-        use LogprobsForm::*;
+        use Route::*;
         let lp = |body: &str, form| {
             parse::<CompletionRequest>(body.as_bytes())
                 .unwrap()
@@ -528,15 +526,15 @@ mod tests {
             assert_eq!(lp(bad, Chat), Err(400), "{bad}");
         }
         assert_eq!(
-            lp(r#"{"prompt":"x","logprobs":3}"#, Completion),
+            lp(r#"{"prompt":"x","logprobs":3}"#, Completions),
             Ok(Some(3))
         );
         assert_eq!(
-            lp(r#"{"prompt":"x","logprobs":0}"#, Completion),
+            lp(r#"{"prompt":"x","logprobs":0}"#, Completions),
             Ok(Some(0))
         );
         assert_eq!(
-            lp(r#"{"prompt":"x","logprobs":null}"#, Completion),
+            lp(r#"{"prompt":"x","logprobs":null}"#, Completions),
             Ok(None)
         );
         for bad in [
@@ -545,10 +543,10 @@ mod tests {
             r#"{"prompt":"x","logprobs":99}"#,
             r#"{"prompt":"x","logprobs":1,"top_logprobs":1}"#,
         ] {
-            assert_eq!(lp(bad, Completion), Err(400), "{bad}");
+            assert_eq!(lp(bad, Completions), Err(400), "{bad}");
         }
-        assert_eq!(lp(r#"{"prompt":"x","logprobs":2}"#, Refused), Err(400));
-        assert_eq!(lp(r#"{"prompt":"x","logprobs":false}"#, Refused), Ok(None));
+        assert_eq!(lp(r#"{"prompt":"x","logprobs":2}"#, Invoke), Err(400));
+        assert_eq!(lp(r#"{"prompt":"x","logprobs":false}"#, Invoke), Ok(None));
     }
 
     #[test]

@@ -15,8 +15,8 @@ use axum::Json;
 use serde_json::{json, Value};
 
 use super::api::{
-    chat_messages, parse, ChatRequest, CompletionRequest, InvokeRequest, LogprobsForm, Message,
-    Params, Prompt,
+    chat_messages, parse, ChatRequest, CompletionRequest, InvokeRequest, Message, Params, Prompt,
+    Route,
 };
 use super::error::ApiError;
 use super::logprobs::{chat_json, completion_json, Entry};
@@ -128,13 +128,13 @@ async fn start(
     arrival: Instant,
     input: Input,
     p: &Params,
-    form: LogprobsForm,
+    route: Route,
 ) -> Result<Started, ApiError> {
     p.check_supported()?;
-    let logprobs = p.logprobs(form)?;
-    let echo = p.echo(form)?;
+    let logprobs = p.logprobs(route)?;
+    let echo = p.echo(route)?;
     let keep = p.choices()?;
-    let n = p.candidates(form, keep)?;
+    let n = p.candidates(route, keep)?;
     let prompts = prompt_count(&input);
     if prompts == 0 || prompts * n > MAX_RUNS {
         return Err(ApiError::bad_request(format!(
@@ -310,9 +310,9 @@ async fn openai(
     input: Input,
     p: &Params,
 ) -> Result<Response, ApiError> {
-    let form = match kind {
-        Kind::Chat => LogprobsForm::Chat,
-        Kind::Completion => LogprobsForm::Completion,
+    let route = match kind {
+        Kind::Chat => Route::Chat,
+        Kind::Completion => Route::Completions,
     };
     let Started {
         mut runs,
@@ -321,7 +321,7 @@ async fn openai(
         waited,
         echo,
         logprobs: want_lp,
-    } = start(app, arrival, input, p, form).await?;
+    } = start(app, arrival, input, p, route).await?;
     let model = app.served_name.clone();
     if p.stream() {
         let mut r = sse(runs, kind, model, p.include_usage(), want_lp, n, echo).into_response();
@@ -448,7 +448,7 @@ pub async fn invoke(State(app): AppState, headers: HeaderMap, body: Body) -> Res
         }
         let Started {
             mut runs, waited, ..
-        } = start(&app, arrival, input, &req.params, LogprobsForm::Refused).await?;
+        } = start(&app, arrival, input, &req.params, Route::Invoke).await?;
         let mut run = runs.swap_remove(0);
         let Whole {
             text,
