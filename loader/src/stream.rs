@@ -84,6 +84,7 @@ pub fn load_streaming(checkpoint: Checkpoint, opts: &LoadOptions) -> Result<Stre
     let mut job = read::begin(&checkpoint, opts)?;
     let groups = job.plan.layers;
     let strategy = match opts.strategy {
+        _ if checkpoint.remote.is_some() => Strategy::S3,
         Strategy::Auto if job.stats.resident >= 0.9 => Strategy::Mmap,
         Strategy::Auto => Strategy::UringDirect,
         s => s,

@@ -122,6 +122,7 @@ fn staging_ring_reuses_buffers_and_reassembles_every_byte() {
             queue_depth: 8,
             threads: 4,
             verify: Verify::Required,
+            ..LoadOptions::default()
         };
         let (plan, stats) = load_into(&ck, &opts, &mut ring, &mut |_| {}).unwrap();
         ring.finish().unwrap();
@@ -216,6 +217,7 @@ fn a_background_ring_starts_reading_before_its_buffers_are_all_made() {
             queue_depth: 8,
             threads: 3,
             verify: Verify::Required,
+            ..LoadOptions::default()
         };
         let (plan, stats) = load_into(&ck, &opts, &mut ring, &mut |_| {}).unwrap();
         ring.finish().unwrap();

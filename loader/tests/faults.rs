@@ -73,6 +73,7 @@ fn opts(strategy: Strategy, verify: Verify) -> LoadOptions {
         queue_depth: 4,
         threads: 2,
         verify,
+        ..LoadOptions::default()
     }
 }
 
