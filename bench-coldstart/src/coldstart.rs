@@ -396,6 +396,7 @@ pub fn run(a: ColdstartArgs) -> Result<()> {
         "device_probe",
         "runtime_init",
         "device_init",
+        "remote_metadata",
         "compile",
         "module_load",
         "alloc",

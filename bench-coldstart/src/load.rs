@@ -47,6 +47,10 @@ pub struct LoadArgs {
     /// thaw's full model load (weights with `auto` + tokenizer) in the same run.
     #[arg(long)]
     peer_llama_cpp: Option<PathBuf>,
+    /// For an s3:// model: also time boto3's `download_fileobj` of the same objects with this
+    /// Python (one that has boto3, e.g. $THAW_HOME/venv/bin/python).
+    #[arg(long)]
+    peer_boto3: Option<String>,
 }
 
 const LLAMA_CPP_PEER: &str = r#"
@@ -222,6 +226,20 @@ fn direct_floor(files: &[PathBuf], block: usize) -> Result<Vec<(usize, f64)>> {
 }
 
 pub fn run(a: LoadArgs) -> Result<()> {
+    if a.model.starts_with("s3://") {
+        return crate::load_s3::run(crate::load_s3::S3Args {
+            model: &a.model,
+            runs: a.runs,
+            queue_depth: a.queue_depth,
+            verify: if a.verify == "off" {
+                Verify::Off
+            } else {
+                Verify::Auto
+            },
+            peer_boto3: a.peer_boto3.as_deref(),
+            json: a.json,
+        });
+    }
     let dir = thaw_runtime::fetch::resolve_model(&a.model)?;
     let ck = Checkpoint::open(&dir)?;
     let files: Vec<PathBuf> = ck.shards.iter().map(|s| s.path.clone()).collect();

@@ -13,6 +13,7 @@ mod decode;
 mod gpu;
 mod kernels;
 mod load;
+mod load_s3;
 mod membw;
 mod serve;
 mod synth;

@@ -144,12 +144,14 @@ pub fn default_model(dtype: OutDtype) -> Result<PathBuf, RuntimeError> {
     }
 }
 
-/// Resolves a `--model` argument: `default` (or `default-f32`, `default-f16`) or a directory.
+/// Resolves a `--model` argument: `default` (or `default-f32`, `default-f16`), `s3://bucket/prefix`
+/// ([`remote_model`]) or a directory.
 pub fn resolve_model(arg: &str) -> Result<PathBuf, RuntimeError> {
     match arg {
         "default" | "default-bf16" => default_model(OutDtype::Bf16),
         "default-f16" => default_model(OutDtype::F16),
         "default-f32" => default_model(OutDtype::F32),
+        url if url.starts_with("s3://") => remote_model(url),
         dir => {
             let p = PathBuf::from(dir);
             if p.is_dir() {
@@ -161,4 +163,48 @@ pub fn resolve_model(arg: &str) -> Result<PathBuf, RuntimeError> {
             }
         }
     }
+}
+
+/// The local directory of a checkpoint in S3: its small files (config, tokenizer, index,
+/// manifest) and its weight objects' headers, fetched now into [`remote_dir`] (see
+/// [`thaw_loader::s3`]); the weights themselves stay remote until the load reads them. Fetched
+/// afresh each time: a replica should serve the checkpoint as it is now.
+pub fn remote_model(url: &str) -> Result<PathBuf, RuntimeError> {
+    let dir = remote_dir(url)?;
+    refresh_remote(url, &dir)?;
+    Ok(dir)
+}
+
+/// Where [`remote_model`] keeps `url`'s files: `$THAW_HOME/s3/<bucket>/<prefix>`. Computing it
+/// touches nothing, so a server can listen before the listing is fetched.
+pub fn remote_dir(url: &str) -> Result<PathBuf, RuntimeError> {
+    let u = thaw_loader::s3::S3Url::parse(url).map_err(RuntimeError::Config)?;
+    let mut dir = thaw_home().join("s3").join(&u.bucket);
+    for part in u
+        .prefix
+        .split('/')
+        .filter(|p| !p.is_empty() && *p != "." && *p != "..")
+    {
+        dir.push(part);
+    }
+    if u.prefix.is_empty() {
+        dir.push("_");
+    }
+    Ok(dir)
+}
+
+/// Lists `url` and refreshes `dir` (from [`remote_dir`]) with its small files and headers.
+pub fn refresh_remote(
+    url: &str,
+    dir: &Path,
+) -> Result<thaw_loader::s3::MaterializeStats, RuntimeError> {
+    let u = thaw_loader::s3::S3Url::parse(url).map_err(RuntimeError::Config)?;
+    if let Some(parent) = dir.parent() {
+        std::fs::create_dir_all(parent).map_err(|e| RuntimeError::io(parent, e))?;
+    }
+    Ok(thaw_loader::s3::materialize(
+        thaw_loader::s3::S3Config::from_env(),
+        &u,
+        dir,
+    )?)
 }

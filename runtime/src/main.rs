@@ -130,6 +130,13 @@ enum ModelCmd {
         #[arg(long, default_value = "bf16")]
         dtype: OutDtype,
     },
+    /// Upload a checkpoint directory to s3://bucket/prefix (AWS_* variables as for loading).
+    Push {
+        /// The checkpoint directory (`default` for the default model).
+        dir: String,
+        /// Destination, e.g. s3://models/smollm2-135m.
+        url: String,
+    },
 }
 
 #[derive(clap::Args)]
@@ -297,6 +304,20 @@ fn run(cli: Cli) -> Result<()> {
         } => {
             println!("{}", default_model(dtype)?.display());
         }
+        Cmd::Model {
+            cmd: ModelCmd::Push { dir, url },
+        } => {
+            let dir = resolve_model(&dir)?;
+            let u = thaw_loader::s3::S3Url::parse(&url).map_err(anyhow::Error::msg)?;
+            let t = Instant::now();
+            let (n, bytes) =
+                thaw_loader::s3::push(thaw_loader::s3::S3Config::from_env(), &dir, &u)?;
+            eprintln!(
+                "uploaded {n} files, {:.1} MB, to {url} in {:.2} s",
+                bytes as f64 / 1e6,
+                t.elapsed().as_secs_f64()
+            );
+        }
         Cmd::Convert {
             gguf,
             out,
@@ -331,7 +352,12 @@ fn run(cli: Cli) -> Result<()> {
                     "note: --serve-while-loading applies to the CPU backend; the GPU loads fully before serving"
                 );
             }
-            let dir = resolve_model(&a.model)?;
+            // An s3:// model's listing is fetched by the load itself, after the port is open.
+            let dir = if a.model.starts_with("s3://") {
+                thaw_runtime::fetch::remote_dir(&a.model)?
+            } else {
+                resolve_model(&a.model)?
+            };
             thaw_runtime::server::serve(ServeOptions {
                 model_dir: dir,
                 model_arg: a.model.clone(),

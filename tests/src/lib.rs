@@ -4,6 +4,8 @@
 //! `bench-coldstart` as real processes, exactly as a user or a platform would, and judge them by
 //! exit codes, stdout and stderr. Build the binaries first (`scripts/test.sh` does).
 
+pub mod s3;
+
 use std::io::{BufRead, BufReader};
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;

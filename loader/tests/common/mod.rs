@@ -3,6 +3,10 @@
 
 use std::sync::{Arc, Condvar, Mutex};
 
+// Each test file uses a part of these helpers.
+#[allow(dead_code)]
+pub mod fake_gpu;
+
 use thaw_loader::plan::LoadPlan;
 use thaw_loader::{Checkpoint, Manifest};
 

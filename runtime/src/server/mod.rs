@@ -107,6 +107,22 @@ pub(crate) type LoadDone = std::thread::JoinHandle<Result<LoadStats, thaw_loader
 /// along with the reader thread to join.
 fn load_worker(o: &ServeOptions) -> Result<(Worker, ColdStart, Option<LoadDone>), RuntimeError> {
     let mut cs = ColdStart::new();
+    if o.model_arg.starts_with("s3://") {
+        // The listing, small files and headers: fetched here, after the port is open, so that
+        // probes and waiting requests are answered while the store is asked.
+        let t = Instant::now();
+        let st = crate::fetch::refresh_remote(&o.model_arg, &o.model_dir)?;
+        cs.push("remote_metadata", t.elapsed().as_secs_f64());
+        log(format_args!(
+            "{}: {} files ({:.1} MB) and {} weight headers ({:.0} MB of weights) in {:.0} ms",
+            o.model_arg,
+            st.files,
+            st.file_bytes as f64 / 1e6,
+            st.shards,
+            st.weight_bytes as f64 / 1e6,
+            st.total_s * 1e3
+        ));
+    }
     let t = Instant::now();
     if o.device == Device::Cpu {
         let _ = thaw_kernels::ThreadPool::global();
