@@ -317,6 +317,14 @@ fn svg(
 
 pub fn run(a: ColdstartArgs) -> Result<()> {
     let dir = resolve_model(&a.model)?;
+    // An s3:// model is served from the store (the server lists it again itself); its floor is
+    // the same ranged GETs with the bytes discarded.
+    let remote = a.model.starts_with("s3://");
+    let model_arg = if remote {
+        a.model.clone()
+    } else {
+        dir.display().to_string()
+    };
     let files = model_files(&dir)?;
     let thaw_bin = std::env::current_exe()?
         .parent()
@@ -347,7 +355,7 @@ pub fn run(a: ColdstartArgs) -> Result<()> {
                     thaw_bin.display().to_string(),
                     "serve".into(),
                     "--model".into(),
-                    dir.display().to_string(),
+                    model_arg.clone(),
                     "--port".into(),
                     port.to_string(),
                 ];
@@ -370,7 +378,11 @@ pub fn run(a: ColdstartArgs) -> Result<()> {
             }
         }
     }
-    let floor = load_floor(&files, a.cold)?;
+    let floor = if remote {
+        crate::load_s3::raw_gets_seconds(&dir, 16, 3)?
+    } else {
+        load_floor(&files, a.cold)?
+    };
     let fmt = |t: (f64, f64, f64)| format!("{:.1} ({:.1}–{:.1})", t.0 * 1e3, t.1 * 1e3, t.2 * 1e3);
     let mut table = String::from(
         "| server | exec → listening | exec → ready | exec → first token | exec → end of first request | warm TTFT |\n| --- | --- | --- | --- | --- | --- |\n",
@@ -459,7 +471,13 @@ pub fn run(a: ColdstartArgs) -> Result<()> {
     );
     println!(
         "load floor ({} → buffer) {:.1} ms + warm TTFT {:.1} ms = {:.1} ms; exec → first token = {:.2}× that",
-        if a.cold { "disk" } else { "page cache" },
+        if remote {
+            "S3 ranged GETs"
+        } else if a.cold {
+            "disk"
+        } else {
+            "page cache"
+        },
         floor * 1e3,
         warm * 1e3,
         (floor + warm) * 1e3,

@@ -98,6 +98,35 @@ fn boto3_download(python: &str, bucket: &str, keys: &[String]) -> Result<f64> {
         .parse()?)
 }
 
+impl Discard {
+    fn new(depth: usize) -> Discard {
+        Discard {
+            free: Mutex::new(Vec::new()),
+            held: Mutex::new(HashMap::new()),
+            depth,
+            len: 0,
+        }
+    }
+}
+
+/// Seconds of the fastest of `runs` passes of every ranged GET of the checkpoint in `dir` (a
+/// materialized s3:// model) at `depth` in flight, bytes discarded: the floor of an S3 load.
+pub fn raw_gets_seconds(dir: &std::path::Path, depth: usize, runs: usize) -> Result<f64> {
+    let opts = LoadOptions {
+        queue_depth: depth,
+        verify: Verify::Off,
+        ..LoadOptions::default()
+    };
+    let mut best = f64::INFINITY;
+    for _ in 0..runs.max(1) {
+        let mut d = Discard::new(depth);
+        let t = Instant::now();
+        thaw_loader::read::load_into(&Checkpoint::open(dir)?, &opts, &mut d, &mut |_| {})?;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    Ok(best)
+}
+
 pub struct S3Args<'a> {
     pub model: &'a str,
     pub runs: usize,
@@ -128,12 +157,7 @@ pub fn run(a: S3Args) -> Result<()> {
         .collect();
     for _ in 0..a.runs {
         // Alternated, so that drift in the machine's speed hits both alike.
-        let mut d = Discard {
-            free: Mutex::new(Vec::new()),
-            held: Mutex::new(HashMap::new()),
-            depth: a.queue_depth,
-            len: 0,
-        };
+        let mut d = Discard::new(a.queue_depth);
         let raw = LoadOptions {
             verify: Verify::Off,
             ..opts.clone()
