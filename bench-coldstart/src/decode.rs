@@ -163,6 +163,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
         "peers": peers,
         "model": dir.display().to_string(),
         "weight_dtype": model.weight_dtype().name(),
+        "weight_format": model.weight_format(),
         "isa": Isa::detect().name(),
         "threads": pool.threads(),
         "weight_bytes_per_token": per_token,
@@ -180,7 +181,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
         println!(
             "model            {} ({}, {} threads, {})",
             out["model"].as_str().unwrap_or(""),
-            model.weight_dtype(),
+            model.weight_format(),
             pool.threads(),
             Isa::detect().name()
         );

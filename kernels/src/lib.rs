@@ -14,6 +14,9 @@
 //!   order whatever the tile it was computed in (1–4 tokens × 1–4 rows, any token block) and whichever thread ran
 //!   it, then reduced by a fixed tree. So a sequence's logits do not depend on what else was in the
 //!   batch or how its prompt was chunked — the property the engine's determinism tests rely on.
+//! * **8-bit weights** ([`q8`], Q8_0: `i8` per weight plus an f16 scale per 32) go through the
+//!   same [`matmul`], with the activations quantized per 32-block once per call, as llama.cpp
+//!   does: nearly half bf16's bytes per decode step.
 //! * Elementwise and attention kernels ([`ops`]) use fixed-width lane accumulators that LLVM
 //!   vectorizes without reassociation, for the same reason.
 //!
@@ -29,6 +32,7 @@ pub mod isa;
 pub mod matmul;
 pub mod ops;
 pub mod pool;
+pub mod q8;
 
 pub use isa::Isa;
 pub use matmul::{matmul, matmul_with, Matrix, Weights};

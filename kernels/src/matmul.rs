@@ -14,6 +14,11 @@ pub enum Weights<'a> {
     F32(&'a [f32]),
     Bf16(&'a [u16]),
     F16(&'a [u16]),
+    /// Q8_0 ([`crate::q8`]): `i8` values and an f16 scale (bits) per 32 of a row.
+    Q8 {
+        qs: &'a [i8],
+        scales: &'a [u16],
+    },
 }
 
 /// A row-major `[rows, cols]` weight matrix.
@@ -29,6 +34,14 @@ impl<'a> Matrix<'a> {
         let len = match w {
             Weights::F32(s) => s.len(),
             Weights::Bf16(s) | Weights::F16(s) => s.len(),
+            Weights::Q8 { qs, scales } => {
+                assert!(
+                    cols.is_multiple_of(crate::q8::BLOCK)
+                        && scales.len() * crate::q8::BLOCK == qs.len(),
+                    "Q8_0 rows must be whole 32-blocks, one scale each"
+                );
+                qs.len()
+            }
         };
         assert_eq!(len, rows * cols, "matrix data does not match its shape");
         Matrix { w, rows, cols }
@@ -47,6 +60,11 @@ impl<'a> Matrix<'a> {
                 .iter_mut()
                 .zip(&s[a..b])
                 .for_each(|(o, &v)| *o = half::f16::from_bits(v).to_f32()),
+            Weights::Q8 { qs, scales } => crate::q8::dequantize_row(
+                &qs[a..b],
+                &scales[a / crate::q8::BLOCK..b / crate::q8::BLOCK],
+                out,
+            ),
         }
     }
 
@@ -55,6 +73,8 @@ impl<'a> Matrix<'a> {
             Weights::F32(s) => (KIND_F32, s.as_ptr().cast()),
             Weights::Bf16(s) => (KIND_BF16, s.as_ptr().cast()),
             Weights::F16(s) => (KIND_F16, s.as_ptr().cast()),
+            // Never dispatched by kind: `rows_kernel` sends Q8_0 to `q8::rows` first.
+            Weights::Q8 { qs, .. } => (KIND_Q8, qs.as_ptr().cast()),
         }
     }
 }
@@ -68,6 +88,7 @@ const KIND_F16: u8 = 2;
 /// bf16 weights × bf16 activations with `vdpbf16ps` (the activations are passed as a `*const
 /// f32` that really points at u16 pairs; `ldx` then counts f32 slots, i.e. pairs).
 const KIND_BF16_DOT: u8 = 3;
+const KIND_Q8: u8 = 4;
 
 /// The activations, plus a per-call rearrangement shared by every task: for the AVX-512 bf16
 /// kernel, the values split even/odd per 32-chunk; for the BF16-dot kernel, the values rounded
@@ -77,6 +98,8 @@ pub(crate) struct Input<'a> {
     split: Option<(&'a [f32], usize)>,
     /// bf16 bits, `ldx` per token (a multiple of 32, zero-padded).
     bf16: Option<(&'a [u16], usize)>,
+    /// Quantized per 32-block for Q8_0 weights: `k` values and `k / 32` scales per token.
+    q8: Option<crate::q8::QSlice<'a>>,
 }
 
 /// A zeroed buffer of `T` on cache-line boundaries. The kernels load a token's activations 64
@@ -213,6 +236,8 @@ pub fn matmul_with(
     // With BF16 dot products every bf16 product of every batch size takes this path, so a
     // token's result never depends on how many tokens share the call.
     let bf16 = (isa == Isa::Avx512Bf16 && any_bf16).then(|| to_bf16_padded(x, n, k));
+    let any_q8 = mats.iter().any(|(m, _)| matches!(m.w, Weights::Q8 { .. }));
+    let q8 = any_q8.then(|| crate::q8::quantize_input(x, isa));
     let views: Vec<(Matrix<'_>, OutPtr)> = mats
         .iter_mut()
         .map(|(m, o)| (*m, OutPtr(o.as_mut_ptr())))
@@ -229,6 +254,14 @@ pub fn matmul_with(
             bf16: bf16
                 .as_ref()
                 .map(|(v, kp)| (&v.as_slice()[t0 * kp..t1 * kp], *kp)),
+            q8: q8.as_ref().map(|q| {
+                let nb = k / crate::q8::BLOCK;
+                crate::q8::QSlice {
+                    q: q.q.get(t0 * k..t1 * k).unwrap_or_default(),
+                    u: q.u.get(t0 * k..t1 * k).unwrap_or_default(),
+                    d: &q.d[t0 * nb..t1 * nb],
+                }
+            }),
         };
         // SAFETY: shapes were checked above; this task writes only rows r0..r1 of tokens
         // t0..t1 of `out`.
@@ -265,6 +298,10 @@ unsafe fn rows_kernel(
     out: *mut f32,
     ldo: usize,
 ) {
+    if let (Weights::Q8 { .. }, Some(q)) = (m.w, input.q8.as_ref()) {
+        // SAFETY: forwards the caller's bounds; `q` holds these n tokens.
+        return unsafe { crate::q8::rows(isa, q, n, k, m, r0, r1, out, ldo) };
+    }
     #[cfg(target_arch = "x86_64")]
     match isa {
         // SAFETY: Isa::Avx512*/Avx2 are only produced after feature detection.
@@ -293,6 +330,7 @@ unsafe fn rows_kernel(
                     .iter()
                     .zip(&s[r * k..(r + 1) * k])
                     .for_each(|(a, &b)| acc += a * half::f16::from_bits(b).to_f32()),
+                Weights::Q8 { .. } => unreachable!("Q8_0 products go to q8::rows"),
             }
             // SAFETY: t < n and r < ldo by the caller's contract.
             unsafe { *out.add(t * ldo + r) = acc };

@@ -20,6 +20,15 @@ pub struct TensorView<'a> {
 }
 
 impl<'a> TensorView<'a> {
+    /// The data as `i8` (I8 tensors: Q8_0 values), or `None` for other dtypes.
+    pub fn as_i8(&self) -> Option<&'a [i8]> {
+        if self.dtype != Dtype::I8 {
+            return None;
+        }
+        // SAFETY: i8 and u8 have the same size and alignment, and every bit pattern is an i8.
+        Some(unsafe { std::slice::from_raw_parts(self.bytes.as_ptr().cast(), self.bytes.len()) })
+    }
+
     /// The data as `u16` words (BF16/F16), or `None` for other dtypes or a misaligned tensor.
     pub fn as_u16(&self) -> Option<&'a [u16]> {
         if !matches!(self.dtype, Dtype::BF16 | Dtype::F16) {

@@ -231,7 +231,7 @@ pub fn convert(
         named.push((name, t));
     }
     named.sort_by_key(|(n, _)| layer_order(n));
-    let mut written: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::with_capacity(named.len());
+    let mut written: Vec<StTensor> = Vec::with_capacity(named.len());
     for (name, t) in &named {
         let shape = t.shape();
         let mut vals = g.dequantize(t);
@@ -251,10 +251,15 @@ pub fn convert(
             vals = unpermute_rows(&vals, shape[0], cols, h);
         }
         // Norm weights stay f32 in HF checkpoints only when the whole model is f32; follow dtype.
-        written.push((name.clone(), shape, opts.dtype.encode(&vals)));
+        written.push((
+            name.clone(),
+            shape,
+            opts.dtype.stored(),
+            opts.dtype.encode(&vals),
+        ));
     }
 
-    let report = write_safetensors(out, &written, opts)?;
+    let report = write_safetensors(out, &written, opts.shard_size)?;
     write_json(
         &out.join("config.json"),
         &json!({
@@ -290,22 +295,27 @@ pub fn convert(
     })
 }
 
-fn write_json(path: &Path, v: &Json) -> Result<(), RuntimeError> {
+pub(crate) fn write_json(path: &Path, v: &Json) -> Result<(), RuntimeError> {
     let text = serde_json::to_string_pretty(v).expect("JSON values always serialize");
     std::fs::write(path, text + "\n").map_err(|e| RuntimeError::io(path, e))
 }
 
-fn write_safetensors(
+/// One tensor to write: name, shape, stored dtype, little-endian bytes.
+pub(crate) type StTensor = (String, Vec<usize>, Dtype, Vec<u8>);
+
+/// Writes `tensors` in order as `model.safetensors`, or shards of at most `shard_size` bytes
+/// with an index, replacing any earlier conversion's weight files in `out`.
+pub(crate) fn write_safetensors(
     out: &Path,
-    tensors: &[(String, Vec<usize>, Vec<u8>)],
-    opts: &ConvertOptions,
+    tensors: &[StTensor],
+    shard_size: Option<u64>,
 ) -> Result<ConvertReport, RuntimeError> {
     // Group into shards by size, keeping forward order.
     let mut shards: Vec<Vec<usize>> = vec![vec![]];
     let mut cur = 0u64;
     for (i, t) in tensors.iter().enumerate() {
-        let sz = t.2.len() as u64;
-        if let Some(limit) = opts.shard_size {
+        let sz = t.3.len() as u64;
+        if let Some(limit) = shard_size {
             if cur > 0 && cur + sz > limit {
                 shards.push(vec![]);
                 cur = 0;
@@ -343,18 +353,18 @@ fn write_safetensors(
         header.insert("__metadata__".into(), json!({"format": "pt"}));
         let mut off = 0usize;
         for &i in idx {
-            let (name, shape, bytes) = &tensors[i];
-            let want = shape.iter().product::<usize>() * opts.dtype.stored().size();
+            let (name, shape, dtype, bytes) = &tensors[i];
+            let want = shape.iter().product::<usize>() * dtype.size();
             if bytes.len() != want {
                 return Err(RuntimeError::Convert(format!(
-                    "tensor '{name}': shape {shape:?} of {:?} needs {want} bytes, got {}",
-                    opts.dtype,
+                    "tensor '{name}': shape {shape:?} of {} needs {want} bytes, got {}",
+                    dtype.name(),
                     bytes.len()
                 )));
             }
             header.insert(
                 name.clone(),
-                json!({"dtype": opts.dtype.stored().name(), "shape": shape, "data_offsets": [off, off + want]}),
+                json!({"dtype": dtype.name(), "shape": shape, "data_offsets": [off, off + want]}),
             );
             weight_map.insert(name.clone(), file.clone());
             off += want;
@@ -366,7 +376,7 @@ fn write_safetensors(
             let mut w = std::io::BufWriter::with_capacity(8 << 20, std::fs::File::create(&path)?);
             w.write_all(&head)?;
             for &i in idx {
-                w.write_all(&tensors[i].2)?;
+                w.write_all(&tensors[i].3)?;
             }
             w.flush()
         };

@@ -32,6 +32,7 @@ pub mod json_mode;
 pub mod kv;
 mod kv_store;
 pub mod model;
+pub mod quantize;
 pub mod sampling;
 pub mod server;
 pub mod step;

@@ -46,6 +46,19 @@ enum Cmd {
         #[arg(long, value_parser = parse_size)]
         shard_size: Option<u64>,
     },
+    /// Write an 8-bit (Q8_0) copy of a checkpoint: the block projections as I8 values with an
+    /// f16 scale per 32 (about half the bytes of bf16); embeddings, norms and biases unchanged.
+    /// Runs on the CPU backend.
+    Quantize {
+        /// The checkpoint (`default`, a directory, or s3://bucket/prefix).
+        #[arg(long, default_value = "default")]
+        model: String,
+        #[arg(long)]
+        out: PathBuf,
+        /// Split weights into shards of at most this size (e.g. 100MB, 2GiB) with an index.
+        #[arg(long, value_parser = parse_size)]
+        shard_size: Option<u64>,
+    },
     /// Print the token ids of a text as JSON.
     Tokenize {
         #[arg(long, default_value = "default")]
@@ -328,6 +341,24 @@ fn run(cli: Cli) -> Result<()> {
             eprintln!(
                 "wrote {} tensors, {} bytes in {} shard(s)",
                 r.tensors, r.bytes, r.shards
+            );
+            println!("{}", r.out.display());
+        }
+        Cmd::Quantize {
+            model,
+            out,
+            shard_size,
+        } => {
+            let dir = resolve_model(&model)?;
+            let t = Instant::now();
+            let r = thaw_runtime::quantize::quantize(&dir, &out, shard_size)?;
+            eprintln!(
+                "quantized {} matrices to Q8_0: {:.1} MB → {:.1} MB in {} shard(s), {:.2} s",
+                r.quantized,
+                r.bytes_in as f64 / 1e6,
+                r.bytes_out as f64 / 1e6,
+                r.shards,
+                t.elapsed().as_secs_f64()
             );
             println!("{}", r.out.display());
         }

@@ -19,6 +19,14 @@ use crate::kv_store::KvBuf;
 use crate::{ModelConfig, RuntimeError};
 
 const MATRIX_DTYPES: &[Dtype] = &[Dtype::BF16, Dtype::F16, Dtype::F32];
+/// The block projections may also be Q8_0: `I8` values beside a `<name>_scale` F16 tensor of
+/// one scale per 32 (what `thaw quantize` writes).
+const PROJ_DTYPES: &[Dtype] = &[Dtype::BF16, Dtype::F16, Dtype::F32, Dtype::I8];
+
+/// The name of a Q8_0 weight's scale tensor.
+pub fn scale_name(weight: &str) -> String {
+    format!("{weight}_scale")
+}
 
 /// A norm weight or bias, widened to f32 on first use (at load, or — when the load streams —
 /// once its layer has landed).
@@ -41,17 +49,23 @@ impl Vec32 {
 
 struct Layer {
     attn_norm: Vec32,
-    q: TensorEntry,
-    k: TensorEntry,
-    v: TensorEntry,
+    q: Proj,
+    k: Proj,
+    v: Proj,
     q_bias: Option<Vec32>,
     k_bias: Option<Vec32>,
     v_bias: Option<Vec32>,
-    o: TensorEntry,
+    o: Proj,
     mlp_norm: Vec32,
-    gate: TensorEntry,
-    up: TensorEntry,
-    down: TensorEntry,
+    gate: Proj,
+    up: Proj,
+    down: Proj,
+}
+
+/// A projection's weight tensor and, for Q8_0 (`I8` values), its per-32 f16 scales.
+struct Proj {
+    w: TensorEntry,
+    scale: Option<TensorEntry>,
 }
 
 pub struct Llama {
@@ -213,6 +227,18 @@ fn widen(view: TensorView<'_>) -> Vec<f32> {
     }
 }
 
+fn proj<'a>(w: &'a HostWeights, p: &'a Proj) -> Matrix<'a> {
+    match &p.scale {
+        Some(s) => {
+            let v = w.view(&p.w);
+            let scales = w.view(s).as_u16().expect("alignment checked at load");
+            let qs = v.as_i8().expect("checked at load");
+            Matrix::new(Weights::Q8 { qs, scales }, v.shape[0], v.shape[1])
+        }
+        None => matrix(w, &p.w),
+    }
+}
+
 fn matrix<'a>(w: &'a HostWeights, e: &'a TensorEntry) -> Matrix<'a> {
     let v = w.view(e);
     let data = match v.dtype {
@@ -270,6 +296,8 @@ pub(crate) struct Tensors {
     pub lm_head: TensorEntry,
     pub norm: TensorEntry,
     pub layers: Vec<LayerTensors>,
+    /// Scales of the Q8_0 projections, by the weight's name (empty unless quantized).
+    pub scales: std::collections::HashMap<String, TensorEntry>,
 }
 
 impl Tensors {
@@ -283,6 +311,26 @@ impl Tensors {
             embed.clone()
         } else {
             mat("lm_head.weight", [vocab, h])?
+        };
+        let scales = std::cell::RefCell::new(std::collections::HashMap::new());
+        let mat_q = |name: &str, shape: [usize; 2]| -> Result<TensorEntry, RuntimeError> {
+            let e = ck.expect(name, &shape, PROJ_DTYPES)?.clone();
+            if e.info.dtype == Dtype::I8 {
+                if !shape[1].is_multiple_of(thaw_kernels::q8::BLOCK) {
+                    return Err(RuntimeError::Config(format!(
+                        "tensor '{name}': Q8_0 needs rows of whole 32-blocks, not {}",
+                        shape[1]
+                    )));
+                }
+                let sn = scale_name(name);
+                let s = ck.expect(
+                    &sn,
+                    &[shape[0], shape[1] / thaw_kernels::q8::BLOCK],
+                    &[Dtype::F16],
+                )?;
+                scales.borrow_mut().insert(name.to_string(), s.clone());
+            }
+            Ok(e)
         };
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
@@ -300,13 +348,13 @@ impl Tensors {
                 q_bias: bias("self_attn.q_proj.bias", qd)?,
                 k_bias: bias("self_attn.k_proj.bias", kvd)?,
                 v_bias: bias("self_attn.v_proj.bias", kvd)?,
-                q: mat(&p("self_attn.q_proj.weight"), [qd, h])?,
-                k: mat(&p("self_attn.k_proj.weight"), [kvd, h])?,
-                v: mat(&p("self_attn.v_proj.weight"), [kvd, h])?,
-                o: mat(&p("self_attn.o_proj.weight"), [h, qd])?,
-                gate: mat(&p("mlp.gate_proj.weight"), [ffn, h])?,
-                up: mat(&p("mlp.up_proj.weight"), [ffn, h])?,
-                down: mat(&p("mlp.down_proj.weight"), [h, ffn])?,
+                q: mat_q(&p("self_attn.q_proj.weight"), [qd, h])?,
+                k: mat_q(&p("self_attn.k_proj.weight"), [kvd, h])?,
+                v: mat_q(&p("self_attn.v_proj.weight"), [kvd, h])?,
+                o: mat_q(&p("self_attn.o_proj.weight"), [h, qd])?,
+                gate: mat_q(&p("mlp.gate_proj.weight"), [ffn, h])?,
+                up: mat_q(&p("mlp.up_proj.weight"), [ffn, h])?,
+                down: mat_q(&p("mlp.down_proj.weight"), [h, ffn])?,
             });
         }
         let norm = vec_entry("model.norm.weight", h)?;
@@ -315,6 +363,7 @@ impl Tensors {
             lm_head,
             norm,
             layers,
+            scales: scales.into_inner(),
         })
     }
 }
@@ -381,7 +430,11 @@ impl Llama {
         // Kernels take typed slices: every matrix must sit at an address aligned for its dtype.
         // (Checked on the address: a streaming load may still be writing the bytes.)
         let check = |e: &TensorEntry| -> Result<(), RuntimeError> {
-            let align = if e.info.dtype == Dtype::F32 { 4 } else { 2 };
+            let align = match e.info.dtype {
+                Dtype::F32 => 4,
+                Dtype::I8 => 1,
+                _ => 2,
+            };
             if weights.addr(e) % align == 0 {
                 Ok(())
             } else {
@@ -396,23 +449,31 @@ impl Llama {
         check(&t.embed)?;
         check(&t.lm_head)?;
         let mut layers = Vec::with_capacity(t.layers.len());
+        let mut scales = t.scales;
+        for s in scales.values() {
+            check(s)?;
+        }
         for l in t.layers {
             for e in [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down] {
                 check(e)?;
             }
+            let mut p = |w: TensorEntry| Proj {
+                scale: scales.remove(&w.info.name),
+                w,
+            };
             layers.push(Layer {
                 attn_norm: Vec32::new(l.attn_norm),
-                q: l.q,
-                k: l.k,
-                v: l.v,
+                q: p(l.q),
+                k: p(l.k),
+                v: p(l.v),
                 q_bias: l.q_bias.map(Vec32::new),
                 k_bias: l.k_bias.map(Vec32::new),
                 v_bias: l.v_bias.map(Vec32::new),
-                o: l.o,
+                o: p(l.o),
                 mlp_norm: Vec32::new(l.mlp_norm),
-                gate: l.gate,
-                up: l.up,
-                down: l.down,
+                gate: p(l.gate),
+                up: p(l.up),
+                down: p(l.down),
             });
         }
         let norm = Vec32::new(t.norm);
@@ -461,7 +522,23 @@ impl Llama {
         self.weights.stats.bytes
     }
 
-    /// The dtype the weights are stored (and streamed) in.
+    /// Whether the block projections are Q8_0 (8-bit values, f16 scales per 32).
+    pub fn quantized(&self) -> bool {
+        self.layers.iter().any(|l| l.q.scale.is_some())
+    }
+
+    /// How the weights are stored, for reports: `bf16`, or `q8_0+bf16` for Q8_0 projections
+    /// beside bf16 embeddings.
+    pub fn weight_format(&self) -> String {
+        let d = self.weight_dtype().name().to_ascii_lowercase();
+        if self.quantized() {
+            format!("q8_0+{d}")
+        } else {
+            d
+        }
+    }
+
+    /// The dtype the embeddings (and any unquantized matrices) are stored (and streamed) in.
     pub fn weight_dtype(&self) -> Dtype {
         self.embed.info.dtype
     }
@@ -593,9 +670,9 @@ impl Llama {
                 &xn,
                 n,
                 &mut [
-                    (matrix(w, &l.q), &mut q),
-                    (matrix(w, &l.k), &mut k),
-                    (matrix(w, &l.v), &mut v),
+                    (proj(w, &l.q), &mut q),
+                    (proj(w, &l.k), &mut k),
+                    (proj(w, &l.v), &mut v),
                 ],
             );
             for (buf, bias, dim) in [
@@ -629,7 +706,7 @@ impl Llama {
                 shape,
                 &mut att,
             );
-            matmul(pool, &att, n, &mut [(matrix(w, &l.o), &mut o)]);
+            matmul(pool, &att, n, &mut [(proj(w, &l.o), &mut o)]);
             ops::add_inplace(&mut x, &o);
 
             ops::rmsnorm(&x, l.mlp_norm.get(w), cfg.rms_norm_eps as f32, &mut xn);
@@ -637,10 +714,10 @@ impl Llama {
                 pool,
                 &xn,
                 n,
-                &mut [(matrix(w, &l.gate), &mut g), (matrix(w, &l.up), &mut u)],
+                &mut [(proj(w, &l.gate), &mut g), (proj(w, &l.up), &mut u)],
             );
             ops::silu_mul(&mut g, &u);
-            matmul(pool, &g, n, &mut [(matrix(w, &l.down), &mut o)]);
+            matmul(pool, &g, n, &mut [(proj(w, &l.down), &mut o)]);
             ops::add_inplace(&mut x, &o);
         }
         // Logits for every row of the chunks that asked, the last row of the others.

@@ -152,6 +152,96 @@ fn sharded_conversion_loads_and_generates() {
     assert!(stdout(&o).contains("Paris"), "{}", stdout(&o));
 }
 
+#[test]
+fn quantized_checkpoint_generates_and_broken_ones_are_refused() {
+    let src = model_dir("default");
+    let out = tempfile::tempdir().unwrap();
+    let q = out.path().join("q8");
+    let o = thaw(&[
+        "quantize",
+        "--model",
+        src.to_str().unwrap(),
+        "--out",
+        q.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("quantized 210 matrices to Q8_0"),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(Path::new(stdout(&o).trim()), q);
+    let cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(q.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["quantization_config"]["quant_method"], "thaw_q8_0");
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "thaw-manifest.json",
+    ] {
+        assert!(q.join(f).is_file(), "{f}");
+    }
+    let o = thaw(&[
+        "generate",
+        "--model",
+        q.to_str().unwrap(),
+        "--chat",
+        "What is the capital of France?",
+        "--max-tokens",
+        "8",
+        "--verify",
+        "required",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("Paris"), "{}", stdout(&o));
+
+    // Quantizing it again finds nothing to do; the source is never the output.
+    let o = thaw(&[
+        "quantize",
+        "--model",
+        q.to_str().unwrap(),
+        "--out",
+        out.path().join("again").to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("no block projections to quantize"),
+        "{}",
+        stderr(&o)
+    );
+    let o = thaw(&[
+        "quantize",
+        "--model",
+        q.to_str().unwrap(),
+        "--out",
+        q.to_str().unwrap(),
+    ]);
+    assert!(
+        stderr(&o).contains("--out must be another directory"),
+        "{}",
+        stderr(&o)
+    );
+
+    // An I8 projection without its scales (renamed in the header, offsets unchanged).
+    let st = q.join("model.safetensors");
+    let mut bytes = std::fs::read(&st).unwrap();
+    let hl = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header = String::from_utf8(bytes[8..8 + hl].to_vec()).unwrap();
+    let renamed = header.replacen(
+        "layers.0.self_attn.q_proj.weight_scale",
+        "layers.0.self_attn.q_proj.weight_scalx",
+        1,
+    );
+    assert_ne!(renamed, header);
+    bytes[8..8 + hl].copy_from_slice(renamed.as_bytes());
+    std::fs::write(&st, bytes).unwrap();
+    assert_clean_error(
+        &q,
+        "q8",
+        "missing tensor 'model.layers.0.self_attn.q_proj.weight_scale'",
+    );
+}
+
 /// A default model cached by an older `thaw convert` (no format stamp, 8-byte-aligned data) is
 /// converted again on the next fetch, and replaced whole; a current one is left alone.
 #[test]

@@ -107,6 +107,12 @@ fn open(dir: &Path) -> Result<(ModelConfig, Checkpoint, Tensors), RuntimeError> 
     let cfg = ModelConfig::load(dir)?;
     let ck = Checkpoint::open(dir)?;
     let t = Tensors::find(&cfg, &ck)?;
+    if !t.scales.is_empty() {
+        return Err(RuntimeError::Config(format!(
+            "{}: Q8_0 (8-bit) weights run on the CPU backend only for now (--device cpu)",
+            dir.display()
+        )));
+    }
     AttnDims {
         n_heads: cfg.num_attention_heads,
         n_kv_heads: cfg.n_kv_heads(),
