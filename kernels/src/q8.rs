@@ -134,6 +134,11 @@ pub(crate) unsafe fn rows(
         // SAFETY: Avx512* is only produced after feature detection; bounds as documented.
         return unsafe { avx512::rows(q, d, n, k, qs, scales, r0, r1, out, ldo) };
     }
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 {
+        // SAFETY: Avx2 (with FMA and F16C) is only produced after feature detection.
+        return unsafe { avx2::rows(q, d, n, k, qs, scales, r0, r1, out, ldo) };
+    }
     let _ = isa;
     let nb = k / BLOCK;
     for t in 0..n {
@@ -272,6 +277,91 @@ mod avx512 {
                 for t in 0..T {
                     *out.add(t * ldo + r + ri) = _mm512_reduce_add_ps(acc[ri][t]);
                 }
+            }
+        }
+    }
+}
+
+/// AVX2: each block as two halves of 16 weights widened to `i16`, `vpmaddwd` against the
+/// activations, the halves' 8 `i32` lanes added, converted and scaled — 4 rows per pass, one
+/// token at a time (each output the same sequence whatever the batch).
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::BLOCK;
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn rows(
+        q: &[i16],
+        d: &[f32],
+        n: usize,
+        k: usize,
+        qs: &[i8],
+        scales: &[u16],
+        r0: usize,
+        r1: usize,
+        out: *mut f32,
+        ldo: usize,
+    ) {
+        let nb = k / BLOCK;
+        // SAFETY (whole body): rows r0..r1 and tokens 0..n are in bounds (caller).
+        unsafe {
+            let mut r = r0;
+            while r < r1 {
+                let rows = if r + 4 <= r1 { 4 } else { 1 };
+                for t in 0..n {
+                    let x = q.as_ptr().add(t * k);
+                    let xd = d.as_ptr().add(t * nb);
+                    if rows == 4 {
+                        row_tile::<4>(x, xd, k, qs.as_ptr(), scales.as_ptr(), r, out.add(t * ldo));
+                    } else {
+                        row_tile::<1>(x, xd, k, qs.as_ptr(), scales.as_ptr(), r, out.add(t * ldo));
+                    }
+                }
+                r += rows;
+            }
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn row_tile<const R: usize>(
+        x: *const i16,
+        xd: *const f32,
+        k: usize,
+        w: *const i8,
+        ws: *const u16,
+        r: usize,
+        out: *mut f32,
+    ) {
+        let nb = k / BLOCK;
+        // SAFETY: rows r..r+R and this token are in bounds (caller).
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); R];
+            for b in 0..nb {
+                let x0 = _mm256_loadu_si256(x.add(b * BLOCK).cast());
+                let x1 = _mm256_loadu_si256(x.add(b * BLOCK + 16).cast());
+                let dx = *xd.add(b);
+                for ri in 0..R {
+                    let p = w.add((r + ri) * k + b * BLOCK);
+                    let w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(p.cast()));
+                    let w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(16).cast()));
+                    let isum =
+                        _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+                    let dw = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+                        *ws.add((r + ri) * nb + b) as i32,
+                    )));
+                    acc[ri] =
+                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dw * dx), acc[ri]);
+                }
+            }
+            for ri in 0..R {
+                let a = acc[ri];
+                let s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+                let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+                let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+                *out.add(r + ri) = _mm_cvtss_f32(s);
             }
         }
     }
