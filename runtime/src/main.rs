@@ -58,6 +58,9 @@ enum Cmd {
         /// Split weights into shards of at most this size (e.g. 100MB, 2GiB) with an index.
         #[arg(long, value_parser = parse_size)]
         shard_size: Option<u64>,
+        /// Quantize the embedding table too (with tied embeddings, also the LM head).
+        #[arg(long)]
+        embeddings: bool,
     },
     /// Print the token ids of a text as JSON.
     Tokenize {
@@ -348,10 +351,15 @@ fn run(cli: Cli) -> Result<()> {
             model,
             out,
             shard_size,
+            embeddings,
         } => {
             let dir = resolve_model(&model)?;
             let t = Instant::now();
-            let r = thaw_runtime::quantize::quantize(&dir, &out, shard_size)?;
+            let opts = thaw_runtime::quantize::QuantizeOptions {
+                shard_size,
+                embeddings,
+            };
+            let r = thaw_runtime::quantize::quantize(&dir, &out, &opts)?;
             eprintln!(
                 "quantized {} matrices to Q8_0: {:.1} MB → {:.1} MB in {} shard(s), {:.2} s",
                 r.quantized,

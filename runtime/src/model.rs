@@ -71,10 +71,10 @@ struct Proj {
 pub struct Llama {
     pub cfg: ModelConfig,
     weights: HostWeights,
-    embed: TensorEntry,
+    embed: Proj,
     layers: Vec<Layer>,
     norm: Vec32,
-    lm_head: TensorEntry,
+    lm_head: Proj,
     inv_freq: Vec<f64>,
     /// While a streaming load is in progress: which layer groups may be read yet.
     gate: Option<Arc<thaw_loader::LayerGate>>,
@@ -304,14 +304,7 @@ impl Tensors {
     pub(crate) fn find(cfg: &ModelConfig, ck: &Checkpoint) -> Result<Tensors, RuntimeError> {
         let (h, ffn, vocab) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
         let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
-        let mat = |name: &str, shape: [usize; 2]| ck.expect(name, &shape, MATRIX_DTYPES).cloned();
         let vec_entry = |name: &str, len: usize| ck.expect(name, &[len], MATRIX_DTYPES).cloned();
-        let embed = mat("model.embed_tokens.weight", [vocab, h])?;
-        let lm_head = if cfg.tie_word_embeddings {
-            embed.clone()
-        } else {
-            mat("lm_head.weight", [vocab, h])?
-        };
         let scales = std::cell::RefCell::new(std::collections::HashMap::new());
         let mat_q = |name: &str, shape: [usize; 2]| -> Result<TensorEntry, RuntimeError> {
             let e = ck.expect(name, &shape, PROJ_DTYPES)?.clone();
@@ -331,6 +324,12 @@ impl Tensors {
                 scales.borrow_mut().insert(name.to_string(), s.clone());
             }
             Ok(e)
+        };
+        let embed = mat_q("model.embed_tokens.weight", [vocab, h])?;
+        let lm_head = if cfg.tie_word_embeddings {
+            embed.clone()
+        } else {
+            mat_q("lm_head.weight", [vocab, h])?
         };
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
@@ -449,18 +448,19 @@ impl Llama {
         check(&t.embed)?;
         check(&t.lm_head)?;
         let mut layers = Vec::with_capacity(t.layers.len());
-        let mut scales = t.scales;
+        let scales = t.scales;
         for s in scales.values() {
             check(s)?;
         }
+        // (Tied embeddings: the embedding and the LM head share one tensor and its scales.)
+        let p = |w: TensorEntry| Proj {
+            scale: scales.get(&w.info.name).cloned(),
+            w,
+        };
         for l in t.layers {
             for e in [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down] {
                 check(e)?;
             }
-            let mut p = |w: TensorEntry| Proj {
-                scale: scales.remove(&w.info.name),
-                w,
-            };
             layers.push(Layer {
                 attn_norm: Vec32::new(l.attn_norm),
                 q: p(l.q),
@@ -499,10 +499,10 @@ impl Llama {
         Ok(Llama {
             cfg,
             weights,
-            embed: t.embed,
+            embed: p(t.embed),
             layers,
             norm,
-            lm_head: t.lm_head,
+            lm_head: p(t.lm_head),
             inv_freq,
             gate,
         })
@@ -513,7 +513,8 @@ impl Llama {
     pub fn weight_bytes(&self) -> u64 {
         let mut b = self.weights.stats.bytes;
         if !self.cfg.tie_word_embeddings {
-            b -= self.embed.info.len() - self.embed.info.len() / self.cfg.vocab_size as u64;
+            let e = &self.embed.w.info;
+            b -= e.len() - e.len() / self.cfg.vocab_size as u64;
         }
         b
     }
@@ -524,7 +525,7 @@ impl Llama {
 
     /// Whether the block projections are Q8_0 (8-bit values, f16 scales per 32).
     pub fn quantized(&self) -> bool {
-        self.layers.iter().any(|l| l.q.scale.is_some())
+        self.embed.scale.is_some() || self.layers.iter().any(|l| l.q.scale.is_some())
     }
 
     /// How the weights are stored, for reports: `bf16`, or `q8_0+bf16` for Q8_0 projections
@@ -540,7 +541,11 @@ impl Llama {
 
     /// The dtype the embeddings (and any unquantized matrices) are stored (and streamed) in.
     pub fn weight_dtype(&self) -> Dtype {
-        self.embed.info.dtype
+        match self.embed.w.info.dtype {
+            // A Q8_0 embedding: the norms say what the model's 16-bit type is.
+            Dtype::I8 => self.norm.entry.info.dtype,
+            d => d,
+        }
     }
 
     /// Waits until layer group `g` (0 = embeddings, 1 + i = block i, the rest last) is loaded.
@@ -641,7 +646,7 @@ impl Llama {
 
         let mut x = vec![0f32; n * h];
         self.wait_for(0)?;
-        let embed = matrix(w, &self.embed);
+        let embed = proj(w, &self.embed);
         for (t, &id) in seqs.iter().flat_map(|sq| sq.tokens.iter()).enumerate() {
             embed.row_f32(id as usize, &mut x[t * h..(t + 1) * h]);
         }
@@ -749,7 +754,7 @@ impl Llama {
             pool,
             &normed,
             picked.len(),
-            &mut [(matrix(w, &self.lm_head), &mut logits)],
+            &mut [(proj(w, &self.lm_head), &mut logits)],
         );
         Ok(logits)
     }

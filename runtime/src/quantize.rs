@@ -41,6 +41,13 @@ fn is_projection(name: &str) -> bool {
     name.starts_with("model.layers.") && PROJECTIONS.iter().any(|p| name.ends_with(p))
 }
 
+#[derive(Debug, Clone, Default)]
+pub struct QuantizeOptions {
+    pub shard_size: Option<u64>,
+    /// Also the embedding table (and so a tied LM head; an untied `lm_head.weight` too).
+    pub embeddings: bool,
+}
+
 #[derive(Debug)]
 pub struct QuantizeReport {
     pub out: PathBuf,
@@ -54,7 +61,7 @@ pub struct QuantizeReport {
 pub fn quantize(
     src: &Path,
     out: &Path,
-    shard_size: Option<u64>,
+    opts: &QuantizeOptions,
 ) -> Result<QuantizeReport, RuntimeError> {
     let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
         (Ok(a), Ok(b)) => a == b,
@@ -88,7 +95,8 @@ pub fn quantize(
         let v = w.view(e);
         let shape = e.info.shape.clone();
         let widenable = matches!(v.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32);
-        if is_projection(name)
+        let embedding = name == "model.embed_tokens.weight" || name == "lm_head.weight";
+        if (is_projection(name) || (opts.embeddings && embedding))
             && widenable
             && shape.len() == 2
             && shape[1].is_multiple_of(q8::BLOCK)
@@ -119,7 +127,7 @@ pub fn quantize(
         )));
     }
     std::fs::create_dir_all(out).map_err(|e| RuntimeError::io(out, e))?;
-    let report = write_safetensors(out, &tensors, shard_size)?;
+    let report = write_safetensors(out, &tensors, opts.shard_size)?;
     for entry in std::fs::read_dir(src).map_err(|e| RuntimeError::io(src, e))? {
         let entry = entry.map_err(|e| RuntimeError::io(src, e))?;
         let name = entry.file_name().to_string_lossy().to_string();
@@ -136,7 +144,7 @@ pub fn quantize(
                 o.insert(
                     "quantization_config".into(),
                     serde_json::json!({"quant_method": "thaw_q8_0", "group_size": q8::BLOCK,
-                        "modules": PROJECTIONS}),
+                        "modules": PROJECTIONS, "embeddings": opts.embeddings}),
                 );
             }
             write_json(&to, &cfg)?;
