@@ -301,6 +301,18 @@ fn device_model_refuses_bad_input_with_reasons() {
         .to_string();
     assert!(e.contains("head_dim up to 128"), "{e}");
 
+    // A Q8_0 checkpoint (`thaw quantize`): the CPU model takes it, the device model says why not.
+    let d = tempfile::tempdir().unwrap();
+    tiny(d.path(), "BF16", false);
+    let q = tempfile::tempdir().unwrap();
+    thaw_runtime::quantize::quantize(d.path(), q.path(), &Default::default()).unwrap();
+    assert!(Llama::load(q.path()).unwrap().quantized());
+    let e = DeviceLlama::load_simple(Arc::new(Emu::new()), q.path())
+        .err()
+        .expect("Q8_0 must be refused on the device")
+        .to_string();
+    assert!(e.contains("Q8_0") && e.contains("--device cpu"), "{e}");
+
     let d = tempfile::tempdir().unwrap();
     tiny(d.path(), "F32", false);
     let m = DeviceLlama::load_simple(Arc::new(Emu::new()), d.path()).unwrap();
