@@ -24,6 +24,7 @@ fn config(port: u16) -> S3Config {
             secret_key: "test".into(),
             session_token: None,
         }),
+        web_identity: None,
         attempts: 4,
     }
 }
@@ -254,4 +255,58 @@ fn a_checkpoint_in_s3_streams_through_the_staging_ring_to_the_device() {
         let off = s.device_data_offset() as usize;
         assert_eq!(&device[si][off..off + data.len()], data, "shard {si}");
     }
+}
+
+#[test]
+fn a_web_identity_is_exchanged_with_sts_for_the_credentials_that_sign() {
+    // moto's server answers STS too: AssumeRoleWithWebIdentity returns temporary credentials
+    // (an ASIA… key and a session token), which then sign the S3 requests of the load.
+    let (moto, local, url) = pushed("irsa");
+    let token = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(
+        token.path(),
+        "eyJhbGciOiJSUzI1NiJ9.eyJzdWIiOiJ0aGF3In0.c2ln\n",
+    )
+    .unwrap();
+    let mut cfg = config(moto.port);
+    cfg.credentials = None;
+    cfg.web_identity = Some(s3::credentials::WebIdentity {
+        role_arn: "arn:aws:iam::123456789012:role/thaw-reader".into(),
+        token_file: token.path().to_path_buf(),
+        session_name: "thaw-test".into(),
+        sts_endpoint: format!("http://127.0.0.1:{}", moto.port),
+    });
+    let rt = s3::runtime(1).unwrap();
+    let client = s3::Client::new(cfg.clone()).unwrap();
+    let creds = rt.block_on(client.credentials()).unwrap().expect("assumed");
+    assert!(creds.access_key.starts_with("ASIA"), "{creds:?}");
+    assert!(creds
+        .session_token
+        .as_deref()
+        .is_some_and(|t| !t.is_empty()));
+    let dir = tempfile::tempdir().unwrap().keep().join("two");
+    s3::materialize(cfg.clone(), &url, &dir).unwrap();
+    let w = HostWeights::load_with(
+        Checkpoint::open(&dir).unwrap(),
+        &opts(cfg.clone()),
+        &mut |_| {},
+    )
+    .unwrap();
+    let here = HostWeights::load_with(
+        Checkpoint::open(local.path()).unwrap(),
+        &LoadOptions::default(),
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!(tensors(&w), tensors(&here));
+
+    // A token file that is not there: the error says which, after the retries.
+    cfg.web_identity.as_mut().unwrap().token_file = "/nonexistent/thaw-token".into();
+    let e = s3::materialize(cfg, &url, &dir.with_file_name("none"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("web identity token /nonexistent/thaw-token"),
+        "{e}"
+    );
 }

@@ -144,6 +144,27 @@ fn unreachable_or_missing_s3_models_are_clear_errors() {
     assert!(e.contains("s3://no-such-bucket/"), "{e}");
     let e = gen(moto.port, "s3://");
     assert!(e.contains("not a valid bucket name"), "{e}");
+    // A web identity (EKS's IRSA variables, no keys): its token file is read for STS.
+    let o = Command::new(bin("thaw"))
+        .args(["generate", "--model", "s3://empty/x", "--prompt", "hi"])
+        .env(
+            "AWS_ENDPOINT_URL",
+            format!("http://127.0.0.1:{}", moto.port),
+        )
+        .env("AWS_WEB_IDENTITY_TOKEN_FILE", "/nonexistent/irsa-token")
+        .env("AWS_ROLE_ARN", "arn:aws:iam::123456789012:role/thaw")
+        .env("THAW_S3_ATTEMPTS", "1")
+        .env_remove("AWS_ACCESS_KEY_ID")
+        .env_remove("AWS_SECRET_ACCESS_KEY")
+        .env("THAW_HOME", home.path())
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("web identity token /nonexistent/irsa-token"),
+        "{}",
+        stderr(&o)
+    );
     // Nothing listening: the listing's retries give up with the reason.
     let e = gen(thaw_tests::s3::free_port(), "s3://m/x");
     assert!(

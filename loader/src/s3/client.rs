@@ -6,8 +6,10 @@
 //! work unchanged: `AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL` (an S3-compatible server: MinIO,
 //! Ceph, R2, moto; path-style addressing then, unless `THAW_S3_ADDRESSING=virtual`),
 //! `AWS_REGION` / `AWS_DEFAULT_REGION` (default `us-east-1`), `AWS_ACCESS_KEY_ID`,
-//! `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN` (no key: anonymous, unsigned requests for public
-//! buckets). `THAW_S3_ATTEMPTS` (default 6) bounds the tries per request.
+//! `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, or a web identity to exchange with STS
+//! ([`super::credentials`]: `AWS_WEB_IDENTITY_TOKEN_FILE` + `AWS_ROLE_ARN`); none of these:
+//! anonymous, unsigned requests for public buckets. `THAW_S3_ATTEMPTS` (default 6) bounds the
+//! tries per request.
 //!
 //! What is retried: connection failures, timeouts, bodies cut short, 429 and 5xx answers.
 //! What is not: 4xx answers (a missing key, a refused signature), and 412 — the object's ETag no
@@ -16,6 +18,7 @@
 
 use std::time::Duration;
 
+use super::credentials::WebIdentity;
 use super::sign::{self, Credentials, EMPTY_SHA256, UNSIGNED_PAYLOAD};
 use crate::LoadError;
 
@@ -26,6 +29,8 @@ pub struct S3Config {
     pub region: String,
     pub path_style: bool,
     pub credentials: Option<Credentials>,
+    /// Without static credentials: a role to assume with a web identity token.
+    pub web_identity: Option<WebIdentity>,
     /// Tries per request (at least 1).
     pub attempts: u32,
 }
@@ -52,6 +57,10 @@ impl S3Config {
             }),
             _ => None,
         };
+        let web_identity = match credentials {
+            Some(_) => None,
+            None => WebIdentity::from_env(&region),
+        };
         let attempts = var("THAW_S3_ATTEMPTS")
             .and_then(|v| v.parse().ok())
             .unwrap_or(6u32)
@@ -61,6 +70,7 @@ impl S3Config {
             region,
             path_style,
             credentials,
+            web_identity,
             attempts,
         }
     }
@@ -77,6 +87,24 @@ pub struct Object {
 pub struct Client {
     http: reqwest::Client,
     cfg: S3Config,
+    /// The credentials requests are signed with, resolved on first use (a web identity costs an
+    /// STS round trip).
+    creds: tokio::sync::OnceCell<Option<Credentials>>,
+}
+
+/// Why a request was not sent or got no answer.
+pub(crate) enum SendError {
+    Http(reqwest::Error),
+    Credentials(String),
+}
+
+impl std::fmt::Display for SendError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SendError::Http(e) => write!(f, "{e}"),
+            SendError::Credentials(m) => write!(f, "{m}"),
+        }
+    }
 }
 
 /// How one try ended, when it did not succeed.
@@ -138,7 +166,28 @@ impl Client {
                 url: cfg.endpoint.clone().unwrap_or_else(|| "s3".into()),
                 msg: format!("cannot build an HTTP client: {e}"),
             })?;
-        Ok(Client { http, cfg })
+        Ok(Client {
+            http,
+            cfg,
+            creds: tokio::sync::OnceCell::new(),
+        })
+    }
+
+    /// The credentials in use: static, assumed from a web identity (once), or none.
+    pub async fn credentials(&self) -> Result<Option<Credentials>, String> {
+        self.creds().await.cloned()
+    }
+
+    async fn creds(&self) -> Result<&Option<Credentials>, String> {
+        self.creds
+            .get_or_try_init(|| async {
+                match (&self.cfg.credentials, &self.cfg.web_identity) {
+                    (Some(c), _) => Ok(Some(c.clone())),
+                    (None, Some(w)) => w.assume(&self.http).await.map(Some),
+                    (None, None) => Ok(None),
+                }
+            })
+            .await
     }
 
     pub fn config(&self) -> &S3Config {
@@ -175,7 +224,8 @@ impl Client {
         query: &[(&str, &str)],
         headers: &[(&str, &str)],
         body: Option<reqwest::Body>,
-    ) -> Result<reqwest::Response, reqwest::Error> {
+    ) -> Result<reqwest::Response, SendError> {
+        let creds = self.creds().await.map_err(SendError::Credentials)?;
         let (mut url, host, path) = self.address(bucket, key);
         if !query.is_empty() {
             url.push('?');
@@ -185,7 +235,7 @@ impl Client {
         for (k, v) in headers {
             rb = rb.header(*k, *v);
         }
-        if let Some(creds) = &self.cfg.credentials {
+        if let Some(creds) = creds {
             let payload = if body.is_some() {
                 UNSIGNED_PAYLOAD
             } else {
@@ -206,7 +256,7 @@ impl Client {
         if let Some(b) = body {
             rb = rb.body(b);
         }
-        rb.send().await
+        rb.send().await.map_err(SendError::Http)
     }
 
     /// Classifies a non-success answer.

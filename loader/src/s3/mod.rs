@@ -24,6 +24,7 @@
 
 mod chunks;
 pub mod client;
+pub mod credentials;
 mod materialize;
 pub mod sign;
 pub mod xml;
