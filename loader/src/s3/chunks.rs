@@ -8,12 +8,35 @@ use crate::dest::Destination;
 use crate::plan::LoadPlan;
 use crate::LoadError;
 
+type Done = (usize, usize, Result<(), LoadError>);
+
+/// A GET task's result, sent when the task ends however it ends: a task that panicked still
+/// reports (an error), so the loop waiting for it never hangs.
+struct Report {
+    tx: std::sync::mpsc::Sender<Done>,
+    i: usize,
+    ptr: usize,
+    result: Option<Result<(), LoadError>>,
+}
+
+impl Drop for Report {
+    fn drop(&mut self) {
+        let r = self.result.take().unwrap_or_else(|| {
+            Err(LoadError::Remote {
+                url: format!("chunk {}", self.i),
+                msg: "its request ended without a result".into(),
+            })
+        });
+        let _ = self.tx.send((self.i, self.ptr, r));
+    }
+}
+
 /// What [`load_chunks`] calls with (chunk index, bytes, the bytes) as each chunk arrives.
 pub(crate) type OnLanded<'a> = dyn FnMut(usize, u64, &[u8]) -> Result<(), LoadError> + 'a;
 
 /// Reads every chunk of `plan` from `remote` into `dest` (see the module docs): GETs issued in
-/// plan order, at most `opts.queue_depth` in flight; `on_landed(i, len, buf)` runs on this thread for each
-/// chunk as it arrives (length check, hash, `dest.landed`, progress).
+/// plan order, at most `opts.queue_depth` in flight; `on_landed(i, len, buf)` runs on this
+/// thread for each chunk as it arrives (length check, hash, `dest.landed`, progress).
 pub(crate) fn load_chunks(
     plan: &LoadPlan,
     remote: &Remote,
@@ -25,7 +48,7 @@ pub(crate) fn load_chunks(
     let cfg = opts.s3.clone().unwrap_or_else(S3Config::from_env);
     let client = Arc::new(Client::new(cfg)?);
     let depth = opts.queue_depth.clamp(1, dest.max_regions());
-    let (tx, rx) = std::sync::mpsc::channel::<(usize, usize, Result<(), LoadError>)>();
+    let (tx, rx) = std::sync::mpsc::channel::<Done>();
     let mut next = 0usize;
     let mut in_flight = 0usize;
     let mut failure: Option<LoadError> = None;
@@ -60,6 +83,12 @@ pub(crate) fn load_chunks(
             let etag = (!shard.etag.is_empty()).then(|| shard.etag.clone());
             let off = c.file_off;
             rt.spawn(async move {
+                let mut report = Report {
+                    tx,
+                    i,
+                    ptr,
+                    result: None,
+                };
                 // SAFETY: the destination gives chunk i's region (c.len ≥ len bytes) to this
                 // load alone until `landed(i)`, which runs only after this task has sent its
                 // result; a failed load drops the runtime (cancelling this task at an await,
@@ -68,7 +97,7 @@ pub(crate) fn load_chunks(
                 let r = client
                     .get_into(&bucket, &key, off, buf, etag.as_deref())
                     .await;
-                let _ = tx.send((i, ptr, r));
+                report.result = Some(r);
             });
             next += 1;
             in_flight += 1;
