@@ -525,18 +525,66 @@ impl Client {
     /// Uploads `body` as one object (S3 takes up to 5 GiB in one PUT).
     pub async fn put(&self, bucket: &str, key: &str, body: Vec<u8>) -> Result<(), LoadError> {
         let body = bytes::Bytes::from(body);
+        let len = body.len() as u64;
+        self.put_with(bucket, key, len, || Ok(reqwest::Body::from(body.clone())))
+            .await
+    }
+
+    /// Uploads the file at `path` as one object, streamed from the file (never held in memory
+    /// whole; reopened for each try).
+    pub async fn put_file(
+        &self,
+        bucket: &str,
+        key: &str,
+        path: &std::path::Path,
+    ) -> Result<(), LoadError> {
+        let len = std::fs::metadata(path)
+            .map_err(|e| LoadError::io(path, e))?
+            .len();
+        self.put_with(bucket, key, len, || {
+            let file = std::fs::File::open(path).map_err(|e| LoadError::io(path, e))?;
+            let file = tokio::fs::File::from_std(file);
+            let chunks = futures_util::stream::unfold(file, |mut f| async move {
+                use tokio::io::AsyncReadExt;
+                let mut buf = vec![0u8; 1 << 20];
+                match f.read(&mut buf).await {
+                    Ok(0) => None,
+                    Ok(n) => {
+                        buf.truncate(n);
+                        Some((Ok::<_, std::io::Error>(bytes::Bytes::from(buf)), f))
+                    }
+                    Err(e) => Some((Err(e), f)),
+                }
+            });
+            Ok(reqwest::Body::wrap_stream(chunks))
+        })
+        .await
+    }
+
+    /// One PUT of `len` bytes, its body made afresh by `body` for each try.
+    async fn put_with(
+        &self,
+        bucket: &str,
+        key: &str,
+        len: u64,
+        body: impl Fn() -> Result<reqwest::Body, LoadError>,
+    ) -> Result<(), LoadError> {
+        let len = len.to_string();
         let r = self
             .retrying(bucket, key, || {
-                let body = body.clone();
+                let b = body();
+                let len = len.as_str();
                 async move {
+                    let b = b.map_err(|e| Fail::Fatal(e.to_string()))?;
                     let resp = self
                         .send(
                             reqwest::Method::PUT,
                             bucket,
                             key,
                             &[],
-                            &[],
-                            Some(reqwest::Body::from(body)),
+                            // S3 refuses a chunked upload without its length.
+                            &[("content-length", len)],
+                            Some(b),
                         )
                         .await
                         .map_err(|e| Fail::Transient(format!("PUT: {e}")))?;

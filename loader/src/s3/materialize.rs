@@ -213,12 +213,7 @@ pub fn push(cfg: S3Config, dir: &Path, url: &S3Url) -> Result<(usize, u64), Load
                     break;
                 };
                 let (client, bucket, key) = (client.clone(), url.bucket.clone(), url.key(&name));
-                set.spawn(async move {
-                    let body = tokio::fs::read(&path)
-                        .await
-                        .map_err(|e| LoadError::io(&path, e))?;
-                    client.put(&bucket, &key, body).await
-                });
+                set.spawn(async move { client.put_file(&bucket, &key, &path).await });
             }
             match set.join_next().await {
                 None => break,
