@@ -97,14 +97,25 @@ print(time.perf_counter() - t, n)
 
 /// Seconds Python's safetensors takes to load `files` (timed inside the interpreter).
 fn python_load(files: &[PathBuf]) -> Result<f64> {
-    let out = std::process::Command::new("python3")
+    python_timed("python3", "python safetensors", PY_PEER, files)
+}
+
+/// Runs `script` with `python` and `args`; the first number it prints is the seconds it timed.
+pub fn python_timed(
+    python: &str,
+    what: &str,
+    script: &str,
+    args: impl IntoIterator<Item = impl AsRef<std::ffi::OsStr>>,
+) -> Result<f64> {
+    let out = std::process::Command::new(python)
         .arg("-c")
-        .arg(PY_PEER)
-        .args(files)
-        .output()?;
+        .arg(script)
+        .args(args)
+        .output()
+        .with_context(|| format!("running {python}"))?;
     anyhow::ensure!(
         out.status.success(),
-        "python safetensors failed: {}",
+        "{what} failed: {}",
         String::from_utf8_lossy(&out.stderr)
             .lines()
             .last()
@@ -114,7 +125,7 @@ fn python_load(files: &[PathBuf]) -> Result<f64> {
     Ok(text
         .split_whitespace()
         .next()
-        .context("no timing from python")?
+        .with_context(|| format!("no timing from {what}"))?
         .parse()?)
 }
 

@@ -75,27 +75,8 @@ print(time.perf_counter() - t, n)
 "#;
 
 fn boto3_download(python: &str, bucket: &str, keys: &[String]) -> Result<f64> {
-    let out = std::process::Command::new(python)
-        .arg("-c")
-        .arg(BOTO3_PEER)
-        .arg(bucket)
-        .args(keys)
-        .output()
-        .with_context(|| format!("running {python}"))?;
-    anyhow::ensure!(
-        out.status.success(),
-        "boto3 failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-            .lines()
-            .last()
-            .unwrap_or("")
-    );
-    let text = String::from_utf8_lossy(&out.stdout);
-    Ok(text
-        .split_whitespace()
-        .next()
-        .context("no timing from boto3")?
-        .parse()?)
+    let args = std::iter::once(bucket.to_string()).chain(keys.iter().cloned());
+    crate::load::python_timed(python, "boto3", BOTO3_PEER, args)
 }
 
 impl Discard {

@@ -156,56 +156,125 @@ pub(crate) unsafe fn rows(
     }
 }
 
+/// The row-range driver of an AVX-512 Q8_0 module: row tiles of `TR` (then single rows) outside,
+/// token tiles of up to `TT` inside, as the bf16 kernels (a tile's weights are read once and
+/// reused from L1 by every token tile). `$x` is the activations' element type.
+macro_rules! q8_rows_driver {
+    ($feat:literal, $x:ty) => {
+        const TT: usize = 4;
+        const TR: usize = 4;
+
+        #[target_feature(enable = $feat)]
+        #[allow(clippy::too_many_arguments)]
+        pub(super) unsafe fn rows(
+            q: &[$x],
+            d: &[f32],
+            n: usize,
+            k: usize,
+            qs: &[i8],
+            scales: &[u16],
+            r0: usize,
+            r1: usize,
+            out: *mut f32,
+            ldo: usize,
+        ) {
+            let (x, xd, w, ws) = (q.as_ptr(), d.as_ptr(), qs.as_ptr(), scales.as_ptr());
+            // SAFETY (whole body): tiles stay inside rows r0..r1 and tokens 0..n (caller's
+            // bounds).
+            unsafe {
+                let mut r = r0;
+                while r < r1 {
+                    let rows = if r + TR <= r1 { TR } else { 1 };
+                    let mut t = 0;
+                    while t < n {
+                        let nt = (n - t).min(TT);
+                        let (xt, dt, ot) =
+                            (x.add(t * k), xd.add(t * (k / BLOCK)), out.add(t * ldo));
+                        match (rows, nt) {
+                            (TR, 1) => tile::<TR, 1>(xt, dt, k, w, ws, r, ot, ldo),
+                            (TR, 2) => tile::<TR, 2>(xt, dt, k, w, ws, r, ot, ldo),
+                            (TR, 3) => tile::<TR, 3>(xt, dt, k, w, ws, r, ot, ldo),
+                            (TR, _) => tile::<TR, TT>(xt, dt, k, w, ws, r, ot, ldo),
+                            (_, 1) => tile::<1, 1>(xt, dt, k, w, ws, r, ot, ldo),
+                            (_, 2) => tile::<1, 2>(xt, dt, k, w, ws, r, ot, ldo),
+                            (_, 3) => tile::<1, 3>(xt, dt, k, w, ws, r, ot, ldo),
+                            (_, _) => tile::<1, TT>(xt, dt, k, w, ws, r, ot, ldo),
+                        }
+                        t += nt;
+                    }
+                    r += rows;
+                }
+            }
+        }
+    };
+}
+
+/// What the AVX-512 tiles share: the combined scales of a group of 16 blocks, and the final
+/// reduction (inlined into the VNNI tiles too, whose features are a superset).
 #[cfg(target_arch = "x86_64")]
-mod avx512 {
-    use super::BLOCK;
+mod avx512_common {
     use std::arch::x86_64::*;
 
-    const TT: usize = 4;
-    const TR: usize = 4;
-
+    /// `d_w · d_x` of blocks `b .. b + 16` (fewer at a row's end: zeros beyond), per row of the
+    /// tile and token.
+    #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn rows(
-        q: &[i16],
-        d: &[f32],
-        n: usize,
-        k: usize,
-        qs: &[i8],
-        scales: &[u16],
-        r0: usize,
-        r1: usize,
+    pub(super) unsafe fn group_scales<const R: usize, const T: usize>(
+        ws: *const u16,
+        xd: *const f32,
+        nb: usize,
+        r: usize,
+        b: usize,
+    ) -> [[__m512; T]; R] {
+        let nbb = (nb - b).min(16);
+        let mask: __mmask16 = if nbb == 16 {
+            0xffff
+        } else {
+            ((1u32 << nbb) - 1) as u16
+        };
+        let mut scale = [[_mm512_setzero_ps(); T]; R];
+        // SAFETY: the masked loads touch only blocks inside rows r..r+R's and the tokens'
+        // scales (caller's bounds).
+        unsafe {
+            for ri in 0..R {
+                let dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
+                    mask,
+                    ws.add((r + ri) * nb + b).cast(),
+                ));
+                for t in 0..T {
+                    let dx = _mm512_maskz_loadu_ps(mask, xd.add(t * nb + b));
+                    scale[ri][t] = _mm512_mul_ps(dw, dx);
+                }
+            }
+        }
+        scale
+    }
+
+    /// Each accumulator's lane sum into `out[t * ldo + r + ri]`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn store<const R: usize, const T: usize>(
+        acc: &[[__m512; T]; R],
         out: *mut f32,
         ldo: usize,
+        r: usize,
     ) {
-        let (x, xd, w, ws) = (q.as_ptr(), d.as_ptr(), qs.as_ptr(), scales.as_ptr());
-        // SAFETY (whole body): tiles stay inside rows r0..r1 and tokens 0..n (caller's bounds).
-        unsafe {
-            // Row tiles outside, token tiles inside (as the bf16 kernels: a tile's weights are
-            // read once and reused from L1 by every token tile).
-            let mut r = r0;
-            while r < r1 {
-                let rows = if r + TR <= r1 { TR } else { 1 };
-                let mut t = 0;
-                while t < n {
-                    let nt = (n - t).min(TT);
-                    let (xt, dt, ot) = (x.add(t * k), xd.add(t * (k / BLOCK)), out.add(t * ldo));
-                    match (rows, nt) {
-                        (TR, 1) => tile::<TR, 1>(xt, dt, k, w, ws, r, ot, ldo),
-                        (TR, 2) => tile::<TR, 2>(xt, dt, k, w, ws, r, ot, ldo),
-                        (TR, 3) => tile::<TR, 3>(xt, dt, k, w, ws, r, ot, ldo),
-                        (TR, _) => tile::<TR, TT>(xt, dt, k, w, ws, r, ot, ldo),
-                        (_, 1) => tile::<1, 1>(xt, dt, k, w, ws, r, ot, ldo),
-                        (_, 2) => tile::<1, 2>(xt, dt, k, w, ws, r, ot, ldo),
-                        (_, 3) => tile::<1, 3>(xt, dt, k, w, ws, r, ot, ldo),
-                        (_, _) => tile::<1, TT>(xt, dt, k, w, ws, r, ot, ldo),
-                    }
-                    t += nt;
-                }
-                r += rows;
+        for ri in 0..R {
+            for t in 0..T {
+                // SAFETY: in bounds by the caller's contract.
+                unsafe { *out.add(t * ldo + r + ri) = _mm512_reduce_add_ps(acc[ri][t]) };
             }
         }
     }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::avx512_common::{group_scales, store};
+    use super::BLOCK;
+    use std::arch::x86_64::*;
+
+    q8_rows_driver!("avx512f,avx512bw,avx512vl", i16);
 
     /// R weight rows starting at row `r` × T tokens.
     #[inline]
@@ -232,20 +301,11 @@ mod avx512 {
             let mut b0 = 0;
             while b0 < nb {
                 let nbb = (nb - b0).min(16);
-                let mask: __mmask16 = if nbb == 16 {
-                    0xffff
-                } else {
-                    ((1u32 << nbb) - 1) as u16
-                };
-                // Combined scales d_w · d_x of these (up to) 16 blocks, per row and token.
+                // Combined scales of these (up to) 16 blocks, kept in memory for broadcasts.
+                let sv = group_scales::<R, T>(ws, xd, nb, r, b0);
                 for ri in 0..R {
-                    let dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
-                        mask,
-                        ws.add((r + ri) * nb + b0).cast(),
-                    ));
                     for t in 0..T {
-                        let dx = _mm512_maskz_loadu_ps(mask, xd.add(t * nb + b0));
-                        _mm512_storeu_ps(scale[ri][t].as_mut_ptr(), _mm512_mul_ps(dw, dx));
+                        _mm512_storeu_ps(scale[ri][t].as_mut_ptr(), sv[ri][t]);
                     }
                 }
                 for j in 0..nbb {
@@ -273,11 +333,7 @@ mod avx512 {
                 }
                 b0 += nbb;
             }
-            for ri in 0..R {
-                for t in 0..T {
-                    *out.add(t * ldo + r + ri) = _mm512_reduce_add_ps(acc[ri][t]);
-                }
-            }
+            store(&acc, out, ldo, r);
         }
     }
 }
@@ -373,52 +429,11 @@ mod avx2 {
 /// block, 8–15 the second, scaled by a permuted vector of the two blocks' scales.
 #[cfg(target_arch = "x86_64")]
 mod vnni {
+    use super::avx512_common::{group_scales, store};
     use super::BLOCK;
     use std::arch::x86_64::*;
 
-    const TT: usize = 4;
-    const TR: usize = 4;
-
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn rows(
-        u: &[u8],
-        d: &[f32],
-        n: usize,
-        k: usize,
-        qs: &[i8],
-        scales: &[u16],
-        r0: usize,
-        r1: usize,
-        out: *mut f32,
-        ldo: usize,
-    ) {
-        let (x, xd, w, ws) = (u.as_ptr(), d.as_ptr(), qs.as_ptr(), scales.as_ptr());
-        // SAFETY (whole body): tiles stay inside rows r0..r1 and tokens 0..n (caller's bounds).
-        unsafe {
-            let mut r = r0;
-            while r < r1 {
-                let rows = if r + TR <= r1 { TR } else { 1 };
-                let mut t = 0;
-                while t < n {
-                    let nt = (n - t).min(TT);
-                    let (xt, dt, ot) = (x.add(t * k), xd.add(t * (k / BLOCK)), out.add(t * ldo));
-                    match (rows, nt) {
-                        (TR, 1) => tile::<TR, 1>(xt, dt, k, w, ws, r, ot, ldo),
-                        (TR, 2) => tile::<TR, 2>(xt, dt, k, w, ws, r, ot, ldo),
-                        (TR, 3) => tile::<TR, 3>(xt, dt, k, w, ws, r, ot, ldo),
-                        (TR, _) => tile::<TR, TT>(xt, dt, k, w, ws, r, ot, ldo),
-                        (_, 1) => tile::<1, 1>(xt, dt, k, w, ws, r, ot, ldo),
-                        (_, 2) => tile::<1, 2>(xt, dt, k, w, ws, r, ot, ldo),
-                        (_, 3) => tile::<1, 3>(xt, dt, k, w, ws, r, ot, ldo),
-                        (_, _) => tile::<1, TT>(xt, dt, k, w, ws, r, ot, ldo),
-                    }
-                    t += nt;
-                }
-                r += rows;
-            }
-        }
-    }
+    q8_rows_driver!("avx512f,avx512bw,avx512vl,avx512vnni", u8);
 
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -446,22 +461,7 @@ mod vnni {
             while b < nb {
                 // Every 16 blocks: the combined scales d_w · d_x of the next 16, per row and token.
                 if b % 16 == 0 {
-                    let nbb = (nb - b).min(16);
-                    let mask: __mmask16 = if nbb == 16 {
-                        0xffff
-                    } else {
-                        ((1u32 << nbb) - 1) as u16
-                    };
-                    for ri in 0..R {
-                        let dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
-                            mask,
-                            ws.add((r + ri) * nb + b).cast(),
-                        ));
-                        for t in 0..T {
-                            let dx = _mm512_maskz_loadu_ps(mask, xd.add(t * nb + b));
-                            scale[ri][t] = _mm512_mul_ps(dw, dx);
-                        }
-                    }
+                    scale = group_scales::<R, T>(ws, xd, nb, r, b);
                 }
                 let pair = (nb - b).min(2);
                 let bmask: __mmask64 = if pair == 2 { u64::MAX } else { u32::MAX as u64 };
@@ -507,11 +507,7 @@ mod vnni {
                 }
                 b += pair;
             }
-            for ri in 0..R {
-                for t in 0..T {
-                    *out.add(t * ldo + r + ri) = _mm512_reduce_add_ps(acc[ri][t]);
-                }
-            }
+            store(&acc, out, ldo, r);
         }
     }
 }

@@ -84,27 +84,11 @@ impl ShardHeader {
         let mut f = File::open(path).map_err(|e| LoadError::io(path, e))?;
         let file_len = f.metadata().map_err(|e| LoadError::io(path, e))?.len();
         let mut len_bytes = [0u8; 8];
-        if file_len < 8 {
-            return Err(LoadError::invalid(
-                path,
-                format!("truncated safetensors file: {file_len} bytes, shorter than the 8-byte header length"),
-            ));
+        if file_len >= 8 {
+            f.read_exact(&mut len_bytes)
+                .map_err(|e| LoadError::io(path, e))?;
         }
-        f.read_exact(&mut len_bytes)
-            .map_err(|e| LoadError::io(path, e))?;
-        let header_len = u64::from_le_bytes(len_bytes);
-        if header_len > MAX_HEADER_LEN {
-            return Err(LoadError::invalid(
-                path,
-                format!("header length {header_len} exceeds the {MAX_HEADER_LEN}-byte limit (not a safetensors file?)"),
-            ));
-        }
-        if 8 + header_len > file_len {
-            return Err(LoadError::invalid(
-                path,
-                format!("truncated safetensors file: header claims {header_len} bytes but the file has {file_len}"),
-            ));
-        }
+        let header_len = Self::header_len(path, &len_bytes[..file_len.min(8) as usize], file_len)?;
         let mut json = vec![0u8; header_len as usize];
         f.read_exact(&mut json)
             .map_err(|e| LoadError::io(path, e))?;

@@ -50,6 +50,15 @@ fn tensors(w: &HostWeights) -> Vec<(String, Vec<u8>)> {
         .collect()
 }
 
+/// Every tensor's bytes of the local checkpoint in `dir` (read with buffered preads).
+fn local_tensors(dir: &std::path::Path) -> Vec<(String, Vec<u8>)> {
+    let opts = LoadOptions {
+        strategy: Strategy::Pread,
+        ..LoadOptions::default()
+    };
+    tensors(&HostWeights::load_with(Checkpoint::open(dir).unwrap(), &opts, &mut |_| {}).unwrap())
+}
+
 /// The two-shard fixture pushed to a fresh bucket: (moto, local dir, url).
 fn pushed(bucket: &str) -> (Moto, tempfile::TempDir, S3Url) {
     let moto = Moto::start();
@@ -85,23 +94,15 @@ fn a_checkpoint_in_s3_loads_byte_identical_to_its_local_copy() {
         layers.windows(2).all(|w| w[0] <= w[1]),
         "layers land in order: {layers:?}"
     );
-    let here = HostWeights::load_with(
-        Checkpoint::open(local.path()).unwrap(),
-        &LoadOptions {
-            strategy: Strategy::Pread,
-            ..LoadOptions::default()
-        },
-        &mut |_| {},
-    )
-    .unwrap();
-    assert_eq!(tensors(&remote), tensors(&here));
+    let here = local_tensors(local.path());
+    assert_eq!(tensors(&remote), here);
 
     // The streaming load reads the same bytes, layer by layer.
     let s = thaw_loader::load_streaming(Checkpoint::open(&dir).unwrap(), &opts(config(moto.port)))
         .unwrap();
     s.gate.wait(usize::MAX).unwrap();
     assert_eq!(s.done.join().unwrap().unwrap().strategy, "s3");
-    assert_eq!(tensors(&s.weights), tensors(&here));
+    assert_eq!(tensors(&s.weights), here);
 }
 
 #[test]
@@ -120,13 +121,7 @@ fn cut_connections_are_resumed_and_every_byte_still_arrives() {
         proxy.cuts.load(Ordering::SeqCst) > 0,
         "the proxy cut nothing"
     );
-    let here = HostWeights::load_with(
-        Checkpoint::open(local.path()).unwrap(),
-        &LoadOptions::default(),
-        &mut |_| {},
-    )
-    .unwrap();
-    assert_eq!(tensors(&w), tensors(&here));
+    assert_eq!(tensors(&w), local_tensors(local.path()));
 }
 
 #[test]
@@ -292,13 +287,7 @@ fn a_web_identity_is_exchanged_with_sts_for_the_credentials_that_sign() {
         &mut |_| {},
     )
     .unwrap();
-    let here = HostWeights::load_with(
-        Checkpoint::open(local.path()).unwrap(),
-        &LoadOptions::default(),
-        &mut |_| {},
-    )
-    .unwrap();
-    assert_eq!(tensors(&w), tensors(&here));
+    assert_eq!(tensors(&w), local_tensors(local.path()));
 
     // A token file that is not there: the error says which, after the retries.
     cfg.web_identity.as_mut().unwrap().token_file = "/nonexistent/thaw-token".into();

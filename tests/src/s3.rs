@@ -133,44 +133,37 @@ fn relay(
     for s in [&down, &up] {
         s.set_read_timeout(Some(Duration::from_millis(20))).unwrap();
     }
-    let (mut d2, mut u2) = (down.try_clone().unwrap(), up.try_clone().unwrap());
+    let (d2, u2) = (down.try_clone().unwrap(), up.try_clone().unwrap());
     let dead2 = dead.clone();
     // Requests: client → server, unchanged.
-    std::thread::spawn(move || {
-        let mut buf = [0u8; 64 << 10];
-        while !dead2.load(Ordering::SeqCst) {
-            match d2.read(&mut buf) {
-                Ok(0) => break,
-                Ok(k) => {
-                    if u2.write_all(&buf[..k]).is_err() {
-                        break;
-                    }
-                }
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                    ) => {}
-                Err(_) => break,
-            }
-        }
-        let _ = u2.shutdown(Shutdown::Both);
-    });
+    std::thread::spawn(move || pump(d2, u2, usize::MAX, &dead2, None));
     // Responses: server → client, cut after the budget.
-    let (mut up, mut down) = (up, down);
-    let mut left = budget.unwrap_or(usize::MAX);
+    pump(up, down, budget.unwrap_or(usize::MAX), &dead, Some(&cuts));
+}
+
+/// Copies `from` → `to` until either side closes, the proxy dies, or `budget` bytes have gone
+/// (counted in `cuts`); then closes both.
+fn pump(
+    mut from: TcpStream,
+    mut to: TcpStream,
+    mut budget: usize,
+    dead: &AtomicBool,
+    cuts: Option<&AtomicUsize>,
+) {
     let mut buf = [0u8; 64 << 10];
     while !dead.load(Ordering::SeqCst) {
-        match up.read(&mut buf) {
+        match from.read(&mut buf) {
             Ok(0) => break,
             Ok(k) => {
-                let k2 = k.min(left);
-                if down.write_all(&buf[..k2]).is_err() {
+                let k2 = k.min(budget);
+                if to.write_all(&buf[..k2]).is_err() {
                     break;
                 }
-                left -= k2;
-                if left == 0 {
-                    cuts.fetch_add(1, Ordering::SeqCst);
+                budget -= k2;
+                if budget == 0 {
+                    if let Some(c) = cuts {
+                        c.fetch_add(1, Ordering::SeqCst);
+                    }
                     break;
                 }
             }
@@ -182,6 +175,6 @@ fn relay(
             Err(_) => break,
         }
     }
-    let _ = down.shutdown(Shutdown::Both);
-    let _ = up.shutdown(Shutdown::Both);
+    let _ = from.shutdown(Shutdown::Both);
+    let _ = to.shutdown(Shutdown::Both);
 }
