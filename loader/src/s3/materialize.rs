@@ -30,7 +30,6 @@ pub fn materialize(cfg: S3Config, url: &S3Url, dir: &Path) -> Result<Materialize
     let rt = runtime(4)?;
     let client = Arc::new(Client::new(cfg)?);
     let listed = rt.block_on(client.list(&url.bucket, &url.key("")))?;
-    // Direct children only: `original/` and other subfolders belong to other tools.
     let strip = if url.prefix.is_empty() {
         String::new()
     } else {
@@ -38,10 +37,7 @@ pub fn materialize(cfg: S3Config, url: &S3Url, dir: &Path) -> Result<Materialize
     };
     let mut objects: Vec<(String, Object)> = listed
         .into_iter()
-        .filter_map(|o| {
-            let name = o.key.strip_prefix(&strip)?.to_string();
-            (!name.is_empty() && !name.contains('/')).then_some((name, o))
-        })
+        .filter_map(|o| Some((file_name(&o.key, &strip)?.to_string(), o)))
         .collect();
     objects.sort_by(|a, b| a.0.cmp(&b.0));
     if objects.is_empty() {
@@ -86,6 +82,15 @@ pub fn materialize(cfg: S3Config, url: &S3Url, dir: &Path) -> Result<Materialize
     placed.map_err(|e| LoadError::io(dir, e))?;
     stats.total_s = t0.elapsed().as_secs_f64();
     Ok(stats)
+}
+
+/// The local file name of `key` under `prefix` (with its trailing `/`): direct children only —
+/// `original/` and other subfolders belong to other tools — and never a name that would leave
+/// the directory (`.`, `..`, a backslash or NUL).
+fn file_name<'a>(key: &'a str, prefix: &str) -> Option<&'a str> {
+    let name = key.strip_prefix(prefix)?;
+    let bad = name.is_empty() || name == "." || name == ".." || name.contains(['/', '\\', '\0']);
+    (!bad).then_some(name)
 }
 
 fn is_weights(name: &str) -> bool {
@@ -234,4 +239,17 @@ pub fn push(cfg: S3Config, dir: &Path, url: &S3Url) -> Result<(usize, u64), Load
             None => Ok((n, bytes)),
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn only_plain_direct_children_become_files() {
+        let f = |k| super::file_name(k, "m/");
+        assert_eq!(f("m/config.json"), Some("config.json"));
+        assert_eq!(f("m/original/consolidated.pth"), None);
+        for bad in ["m/", "m/.", "m/..", "m/a\\b", "m/a\0b", "other/config.json"] {
+            assert_eq!(f(bad), None, "{bad:?}");
+        }
+    }
 }
