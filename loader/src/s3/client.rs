@@ -317,32 +317,26 @@ impl Client {
         out: &mut [u8],
         if_match: Option<&str>,
     ) -> Result<(), LoadError> {
-        let mut got = 0usize;
-        let mut last = String::new();
-        for n in 0..self.cfg.attempts {
-            if got == out.len() {
-                return Ok(());
-            }
-            if n > 0 {
-                tokio::time::sleep(backoff(n - 1)).await;
-            }
-            match self
-                .try_range(bucket, key, start, out, &mut got, if_match)
-                .await
-            {
-                Ok(()) => return Ok(()),
-                Err(Fail::NotFound) => {
-                    return Err(remote(bucket, key, "no such object (HTTP 404)"))
+        // Shared with each try (uncontended): a try advances `got`, the next resumes from it.
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let total = out.len();
+        let got = AtomicUsize::new(0);
+        let out = tokio::sync::Mutex::new(out);
+        let r = self
+            .retrying(bucket, key, || async {
+                let mut n = got.load(Ordering::Relaxed);
+                if n == total {
+                    return Ok(());
                 }
-                Err(Fail::Fatal(m)) => return Err(remote(bucket, key, m)),
-                Err(Fail::Transient(m)) => last = m,
-            }
-        }
-        Err(remote(
-            bucket,
-            key,
-            format!("{last} (gave up after {} tries)", self.cfg.attempts),
-        ))
+                let mut out = out.lock().await;
+                let r = self
+                    .try_range(bucket, key, start, &mut out, &mut n, if_match)
+                    .await;
+                got.store(n, Ordering::Relaxed);
+                r
+            })
+            .await?;
+        r.ok_or_else(|| remote(bucket, key, "no such object (HTTP 404)"))
     }
 
     /// One GET of what `out` still lacks (bytes from `start + *got`), advancing `*got` as the
