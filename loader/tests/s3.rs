@@ -26,6 +26,7 @@ fn config(port: u16) -> S3Config {
         }),
         web_identity: None,
         attempts: 4,
+        part_size: s3::client::DEFAULT_PART_SIZE,
     }
 }
 
@@ -297,5 +298,43 @@ fn a_web_identity_is_exchanged_with_sts_for_the_credentials_that_sign() {
     assert!(
         e.contains("web identity token /nonexistent/thaw-token"),
         "{e}"
+    );
+}
+
+#[test]
+fn files_over_the_part_size_are_pushed_in_parts_and_read_back_whole() {
+    let moto = Moto::start();
+    moto.create_bucket("parts");
+    let dir = tempfile::tempdir().unwrap();
+    // 12 MiB + 4321 bytes: two whole 5 MiB parts and a short third.
+    let big: Vec<u8> = (0..(12 << 20) + 4321u32)
+        .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+        .collect();
+    std::fs::write(dir.path().join("model.safetensors"), &big).unwrap();
+    std::fs::write(dir.path().join("config.json"), b"{}").unwrap();
+    let mut cfg = config(moto.port);
+    cfg.part_size = s3::client::MIN_PART_SIZE;
+    let url = S3Url::parse("s3://parts/m").unwrap();
+    let (n, bytes) = s3::push(cfg.clone(), dir.path(), &url).unwrap();
+    assert_eq!((n, bytes), (2, big.len() as u64 + 2));
+    let rt = s3::runtime(1).unwrap();
+    let client = s3::Client::new(cfg).unwrap();
+    let back = rt
+        .block_on(client.get("parts", "m/model.safetensors"))
+        .unwrap()
+        .unwrap();
+    assert!(back == big, "the object differs from the file");
+    // A multipart object's ETag names its part count; the small file went in one PUT.
+    let listed = rt.block_on(client.list("parts", "m/")).unwrap();
+    let etag = |k: &str| listed.iter().find(|o| o.key == k).unwrap().etag.clone();
+    assert!(
+        etag("m/model.safetensors").ends_with("-3\""),
+        "{}",
+        etag("m/model.safetensors")
+    );
+    assert!(
+        !etag("m/config.json").contains('-'),
+        "{}",
+        etag("m/config.json")
     );
 }

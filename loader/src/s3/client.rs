@@ -9,7 +9,7 @@
 //! `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, or a web identity to exchange with STS
 //! ([`super::credentials`]: `AWS_WEB_IDENTITY_TOKEN_FILE` + `AWS_ROLE_ARN`); none of these:
 //! anonymous, unsigned requests for public buckets. `THAW_S3_ATTEMPTS` (default 6) bounds the
-//! tries per request.
+//! tries per request; `THAW_S3_PART_SIZE` (default 256 MiB) the parts of large uploads.
 //!
 //! What is retried: connection failures, timeouts, bodies cut short, 429 and 5xx answers.
 //! What is not: 4xx answers (a missing key, a refused signature), and 412 — the object's ETag no
@@ -22,6 +22,11 @@ use super::credentials::WebIdentity;
 use super::sign::{self, Credentials, EMPTY_SHA256, UNSIGNED_PAYLOAD};
 use crate::LoadError;
 
+/// Default [`S3Config::part_size`].
+pub const DEFAULT_PART_SIZE: u64 = 256 << 20;
+/// The smallest part S3 accepts (all but the last).
+pub const MIN_PART_SIZE: u64 = 5 << 20;
+
 #[derive(Debug, Clone)]
 pub struct S3Config {
     /// `scheme://host[:port]` of an S3-compatible server; `None` is AWS S3 itself.
@@ -33,6 +38,9 @@ pub struct S3Config {
     pub web_identity: Option<WebIdentity>,
     /// Tries per request (at least 1).
     pub attempts: u32,
+    /// Files larger than this are uploaded in parts of this size, four at a time (S3's
+    /// minimum part is 5 MiB).
+    pub part_size: u64,
 }
 
 impl S3Config {
@@ -72,6 +80,10 @@ impl S3Config {
             credentials,
             web_identity,
             attempts,
+            part_size: var("THAW_S3_PART_SIZE")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(DEFAULT_PART_SIZE)
+                .max(MIN_PART_SIZE),
         }
     }
 }
@@ -93,7 +105,7 @@ pub struct Client {
 }
 
 /// Why a request was not sent or got no answer.
-pub(crate) enum SendError {
+pub(super) enum SendError {
     Http(reqwest::Error),
     Credentials(String),
 }
@@ -108,7 +120,7 @@ impl std::fmt::Display for SendError {
 }
 
 /// How one try ended, when it did not succeed.
-enum Fail {
+pub(super) enum Fail {
     /// Try again (after a pause), resuming where the body stopped.
     Transient(String),
     /// Give up now.
@@ -121,7 +133,7 @@ pub fn s3_url(bucket: &str, key: &str) -> String {
     format!("s3://{bucket}/{key}")
 }
 
-fn remote(bucket: &str, key: &str, msg: impl Into<String>) -> LoadError {
+pub(super) fn remote(bucket: &str, key: &str, msg: impl Into<String>) -> LoadError {
     LoadError::Remote {
         url: s3_url(bucket, key),
         msg: msg.into(),
@@ -216,7 +228,7 @@ impl Client {
     }
 
     /// Builds and sends one signed request.
-    async fn send(
+    pub(super) async fn send(
         &self,
         method: reqwest::Method,
         bucket: &str,
@@ -260,7 +272,7 @@ impl Client {
     }
 
     /// Classifies a non-success answer.
-    async fn refusal(resp: reqwest::Response) -> Fail {
+    pub(super) async fn refusal(resp: reqwest::Response) -> Fail {
         let status = resp.status();
         let body = resp.text().await.unwrap_or_default();
         let text = error_text(status, &body);
@@ -278,7 +290,7 @@ impl Client {
     }
 
     /// Runs `try_once` until it succeeds, fails fatally, or runs out of attempts.
-    async fn retrying<T, F, Fut>(
+    pub(super) async fn retrying<T, F, Fut>(
         &self,
         bucket: &str,
         key: &str,
@@ -514,84 +526,5 @@ impl Client {
                 None => return Ok(out),
             }
         }
-    }
-
-    /// Uploads `body` as one object (S3 takes up to 5 GiB in one PUT).
-    pub async fn put(&self, bucket: &str, key: &str, body: Vec<u8>) -> Result<(), LoadError> {
-        let body = bytes::Bytes::from(body);
-        let len = body.len() as u64;
-        self.put_with(bucket, key, len, || Ok(reqwest::Body::from(body.clone())))
-            .await
-    }
-
-    /// Uploads the file at `path` as one object, streamed from the file (never held in memory
-    /// whole; reopened for each try).
-    pub async fn put_file(
-        &self,
-        bucket: &str,
-        key: &str,
-        path: &std::path::Path,
-    ) -> Result<(), LoadError> {
-        let len = std::fs::metadata(path)
-            .map_err(|e| LoadError::io(path, e))?
-            .len();
-        self.put_with(bucket, key, len, || {
-            let file = std::fs::File::open(path).map_err(|e| LoadError::io(path, e))?;
-            let file = tokio::fs::File::from_std(file);
-            let chunks = futures_util::stream::unfold(file, |mut f| async move {
-                use tokio::io::AsyncReadExt;
-                let mut buf = vec![0u8; 1 << 20];
-                match f.read(&mut buf).await {
-                    Ok(0) => None,
-                    Ok(n) => {
-                        buf.truncate(n);
-                        Some((Ok::<_, std::io::Error>(bytes::Bytes::from(buf)), f))
-                    }
-                    Err(e) => Some((Err(e), f)),
-                }
-            });
-            Ok(reqwest::Body::wrap_stream(chunks))
-        })
-        .await
-    }
-
-    /// One PUT of `len` bytes, its body made afresh by `body` for each try.
-    async fn put_with(
-        &self,
-        bucket: &str,
-        key: &str,
-        len: u64,
-        body: impl Fn() -> Result<reqwest::Body, LoadError>,
-    ) -> Result<(), LoadError> {
-        let len = len.to_string();
-        let r = self
-            .retrying(bucket, key, || {
-                let b = body();
-                let len = len.as_str();
-                async move {
-                    let b = b.map_err(|e| Fail::Fatal(e.to_string()))?;
-                    let resp = self
-                        .send(
-                            reqwest::Method::PUT,
-                            bucket,
-                            key,
-                            &[],
-                            // S3 refuses a chunked upload without its length.
-                            &[("content-length", len)],
-                            Some(b),
-                        )
-                        .await
-                        .map_err(|e| Fail::Transient(format!("PUT: {e}")))?;
-                    if !resp.status().is_success() {
-                        return Err(match Self::refusal(resp).await {
-                            Fail::NotFound => Fail::Fatal("no such bucket (HTTP 404)".into()),
-                            f => f,
-                        });
-                    }
-                    Ok(())
-                }
-            })
-            .await?;
-        r.ok_or_else(|| remote(bucket, key, "PUT: HTTP 404"))
     }
 }

@@ -27,6 +27,7 @@ pub mod client;
 pub mod credentials;
 mod materialize;
 pub mod sign;
+mod upload;
 pub mod xml;
 
 use std::path::Path;
