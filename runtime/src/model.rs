@@ -207,7 +207,8 @@ impl KvCache {
     }
 }
 
-fn widen(view: TensorView<'_>) -> Vec<f32> {
+/// A 16- or 32-bit float tensor's values as f32.
+pub(crate) fn widen(view: TensorView<'_>) -> Vec<f32> {
     match view.dtype {
         Dtype::F32 => view
             .bytes

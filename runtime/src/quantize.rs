@@ -16,7 +16,7 @@ use thaw_loader::plan::layer_of;
 use thaw_loader::{Checkpoint, Dtype, HostWeights, LoadOptions};
 
 use crate::convert::{write_json, write_safetensors, StTensor};
-use crate::model::scale_name;
+use crate::model::{scale_name, widen};
 use crate::RuntimeError;
 
 const PROJECTIONS: [&str; 7] = [
@@ -101,7 +101,7 @@ pub fn quantize(
             && shape.len() == 2
             && shape[1].is_multiple_of(q8::BLOCK)
         {
-            let vals = widen(v.dtype, v.bytes);
+            let vals = widen(v);
             let (qs, scales) = q8::quantize(&vals, shape[0], shape[1]);
             tensors.push((
                 name.to_string(),
@@ -161,21 +161,4 @@ pub fn quantize(
         bytes_out: report.bytes,
         shards: report.shards,
     })
-}
-
-fn widen(dtype: Dtype, bytes: &[u8]) -> Vec<f32> {
-    match dtype {
-        Dtype::F32 => bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        Dtype::BF16 => bytes
-            .chunks_exact(2)
-            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        _ => bytes
-            .chunks_exact(2)
-            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-    }
 }
